@@ -1,0 +1,309 @@
+"""DCMHA: multi-head self-attention whose heads are composed per token (SPEC §1.2–1.3).
+
+`DCMHA` is a drop-in ``attn_layer`` for timm's ``VisionTransformer``: same constructor
+arguments and ``forward`` signature as ``timm.layers.Attention``, same parameter names
+(``qkv``, ``q_norm``, ``k_norm``, ``norm``, ``proj``), plus two small submodules:
+
+* ``dynamic_weights`` (`DynamicWeights`): the per-token low-rank weights and gates,
+* ``pre_compose`` / ``post_compose`` (`Compose`): mixing of scores and of weights.
+
+Forward hooks on ``pre_compose``/``post_compose`` see the attention scores/weights before
+(input) and after (output) composition; `dcvit.attention_maps` collects them.
+"""
+import math
+from typing import Any, Dict, List, Optional, Tuple, Type
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
+from torch import Tensor, nn
+
+from .compose import compose_unchecked
+
+__all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
+
+# The ablation switches of SPEC §1.3 and their defaults. `dcmha_layers` is a model-level
+# option (which blocks get DCMHA) and lives in dcvit.models.
+DCMHA_OPTIONS: Dict[str, Any] = dict(
+    rank=2,
+    query_wise=True,
+    key_wise=True,
+    pre_compose=True,
+    post_compose=True,
+    dynamic_proj=True,
+    dynamic_gate=True,
+    static_proj=False,
+)
+
+ComposeWeights = Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor],
+                       Optional[Tensor], Optional[Tensor], Optional[Tensor]]
+
+
+@torch.fx.wrap
+def _check_input(x: Tensor, dim: int) -> None:
+    if x.dim() != 3 or x.shape[-1] != dim:
+        raise ValueError("DCMHA expects input of shape (B, N, " + str(dim) + "), got "
+                         + str(list(x.shape)))
+
+
+class DynamicWeights(nn.Module):
+    """Per-token Compose weights generated from the attention input (SPEC §1.2).
+
+    One "slot" per (stage, side) that is composed, out of
+    ``pre-query, pre-key, post-query, post-key``. For x of shape (B, N, C)::
+
+        hidden = gelu(einsum('bnc,cgk->bngk', x, dw1))      # (B, N, G, K), K = 4H
+        w      = einsum('bngk,gkih->bngih', hidden, qkw)     # (B, N, G, 2R, H)
+        w1, w2 = w.split(R, dim=-2)                          # (B, N, G, R, H) each
+        w1     = w1 * rsqrt(mean_h(w1^2) + 1e-6)             # RMS-norm over heads
+        dd     = tanh(x @ dd_w).view(B, N, G, H)             # (B, N, G, H)
+
+    Returns ``(w1, w2, dd)``; ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is
+    None without ``dynamic_gate``.
+    """
+
+    def __init__(self, dim: int, num_heads: int, num_slots: int, rank: int = 2,
+                 dynamic_proj: bool = True, dynamic_gate: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        dd = {"device": device, "dtype": dtype}
+        self.dim, self.num_heads, self.num_slots, self.rank = dim, num_heads, num_slots, rank
+        self.hidden_dim = 4 * num_heads
+        if dynamic_proj:
+            self.dw1 = nn.Parameter(torch.empty(dim, num_slots, self.hidden_dim, **dd))
+            self.qkw = nn.Parameter(torch.empty(num_slots, self.hidden_dim, 2 * rank, num_heads, **dd))
+        else:
+            self.register_parameter("dw1", None)
+            self.register_parameter("qkw", None)
+        if dynamic_gate:
+            self.dd_w = nn.Parameter(torch.empty(dim, num_slots * num_heads, **dd))
+        else:
+            self.register_parameter("dd_w", None)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The initialisation of the authors' training code: DCMHA starts almost as MHA."""
+        c, h, k, r = self.dim, self.num_heads, self.hidden_dim, self.rank
+        if self.dw1 is not None and self.qkw is not None:
+            nn.init.normal_(self.dw1, std=math.sqrt(2.0 / (c + k)))
+            nn.init.normal_(self.qkw, std=math.sqrt(1.0 / k) * 2.0 / (h + r) * 0.01)
+        if self.dd_w is not None:
+            nn.init.normal_(self.dd_w, std=math.sqrt(2.0 / (c + h)) * 0.005)
+
+    def forward(self, x: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        B, N, C = x.shape
+        w1: Optional[Tensor] = None
+        w2: Optional[Tensor] = None
+        dd: Optional[Tensor] = None
+        if self.dw1 is not None and self.qkw is not None:
+            hidden = F.gelu(torch.einsum("bnc,cgk->bngk", x, self.dw1))          # (B, N, G, K)
+            w = torch.einsum("bngk,gkih->bngih", hidden, self.qkw)              # (B, N, G, 2R, H)
+            w1, w2 = w.split(self.rank, dim=-2)                                  # (B, N, G, R, H)
+            w1 = w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+        if self.dd_w is not None:
+            dd = torch.tanh(x @ self.dd_w).view(B, N, self.num_slots, self.num_heads)  # (B, N, G, H)
+        return w1, w2, dd
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, num_heads={self.num_heads}, slots={self.num_slots}, rank={self.rank}"
+
+
+class Compose(nn.Module):
+    """`dcvit.compose` as a module, so hooks and per-module FLOP tables can see it.
+
+    Holds the optional static H×H matrix (``static_proj``: Talking-Heads), initialised to
+    zeros so that composition starts as the identity.
+    """
+
+    def __init__(self, num_heads: int, static_proj: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        if static_proj:
+            self.static = nn.Parameter(torch.zeros(num_heads, num_heads, device=device, dtype=dtype))
+        else:
+            self.register_parameter("static", None)
+
+    def forward(self, a: Tensor, qw1: Optional[Tensor], qw2: Optional[Tensor],
+                kw1: Optional[Tensor], kw2: Optional[Tensor],
+                qdd: Optional[Tensor], kdd: Optional[Tensor]) -> Tensor:
+        return compose_unchecked(a, qw1, qw2, kw1, kw2, qdd, kdd, self.static)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, static_proj={self.static is not None}"
+
+
+class DCMHA(nn.Module):
+    """Dynamically Composable Multi-Head Attention (self-attention).
+
+    Args (those of ``timm.layers.Attention``):
+        dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
+        norm_layer, device, dtype.
+    Args (the paper's ablations, SPEC §1.3):
+        rank: R of the low-rank dynamic projections (>= 1).
+        query_wise, key_wise: compose with weights generated per query / per key token.
+        pre_compose, post_compose: compose the scores (before softmax) / weights (after).
+        dynamic_proj, dynamic_gate: use the low-rank projections / the diagonal gates.
+        static_proj: add a learned static H×H matrix (Talking-Heads), zero-initialised.
+
+    Shapes: ``forward(x (B, N, dim), attn_mask=None, is_causal=False) -> (B, N, dim)``;
+    ``attn_mask`` broadcasts to (B, H, N, N), bool (True = keep) or float (added), and is
+    applied after pre-compose, before softmax.
+    """
+
+    def __init__(
+            self,
+            dim: int,
+            num_heads: int = 8,
+            qkv_bias: bool = False,
+            qk_norm: bool = False,
+            scale_norm: bool = False,
+            proj_bias: bool = True,
+            attn_drop: float = 0.,
+            proj_drop: float = 0.,
+            norm_layer: Optional[Type[nn.Module]] = None,
+            rank: int = DCMHA_OPTIONS["rank"],
+            query_wise: bool = DCMHA_OPTIONS["query_wise"],
+            key_wise: bool = DCMHA_OPTIONS["key_wise"],
+            pre_compose: bool = DCMHA_OPTIONS["pre_compose"],
+            post_compose: bool = DCMHA_OPTIONS["post_compose"],
+            dynamic_proj: bool = DCMHA_OPTIONS["dynamic_proj"],
+            dynamic_gate: bool = DCMHA_OPTIONS["dynamic_gate"],
+            static_proj: bool = DCMHA_OPTIONS["static_proj"],
+            device=None,
+            dtype=None,
+    ) -> None:
+        super().__init__()
+        if num_heads < 1 or dim % num_heads != 0:
+            raise ValueError(f"DCMHA: num_heads={num_heads} must divide dim={dim} "
+                             f"(valid head counts: {[h for h in range(1, dim + 1) if dim % h == 0][:12]}...)")
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"DCMHA: rank must be an integer >= 1, got {rank!r}")
+        if (qk_norm or scale_norm) and norm_layer is None:
+            raise ValueError("DCMHA: norm_layer must be given when qk_norm or scale_norm is True")
+        dd = {"device": device, "dtype": dtype}
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.scale = self.head_dim ** -0.5
+        self.options = dict(rank=rank, query_wise=query_wise, key_wise=key_wise,
+                            pre_compose=pre_compose, post_compose=post_compose,
+                            dynamic_proj=dynamic_proj, dynamic_gate=dynamic_gate,
+                            static_proj=static_proj)
+        # The same constructor arguments build the matching plain attention (see as_mha).
+        self._mha_args = dict(dim=dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm,
+                              scale_norm=scale_norm, proj_bias=proj_bias, attn_drop=attn_drop,
+                              proj_drop=proj_drop, norm_layer=norm_layer)
+
+        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
+        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        self.attn_drop = nn.Dropout(attn_drop)
+        self.norm = norm_layer(dim, **dd) if scale_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+        # Slots of the dynamic weights: (stage, side) pairs that are composed dynamically.
+        dynamic = dynamic_proj or dynamic_gate
+        slots: List[str] = []
+        for stage, on in (("pre", pre_compose), ("post", post_compose)):
+            for side, side_on in (("q", query_wise), ("k", key_wise)):
+                if dynamic and on and side_on:
+                    slots.append(stage + "_" + side)
+        self.pre_q_slot = slots.index("pre_q") if "pre_q" in slots else -1
+        self.pre_k_slot = slots.index("pre_k") if "pre_k" in slots else -1
+        self.post_q_slot = slots.index("post_q") if "post_q" in slots else -1
+        self.post_k_slot = slots.index("post_k") if "post_k" in slots else -1
+        self.dynamic_weights = DynamicWeights(
+            dim, num_heads, len(slots), rank, dynamic_proj, dynamic_gate, **dd) if slots else None
+        pre_on = pre_compose and (static_proj or self.pre_q_slot >= 0 or self.pre_k_slot >= 0)
+        post_on = post_compose and (static_proj or self.post_q_slot >= 0 or self.post_k_slot >= 0)
+        if not (pre_on or post_on):
+            raise ValueError(f"DCMHA: options {self.options} compose nothing; enable at least one of "
+                             "pre_compose/post_compose, one of query_wise/key_wise and one of "
+                             "dynamic_proj/dynamic_gate/static_proj (or use timm.layers.Attention)")
+        self.pre_compose = Compose(num_heads, static_proj, **dd) if pre_on else None
+        self.post_compose = Compose(num_heads, static_proj, **dd) if post_on else None
+
+    def _slot(self, w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
+              q_slot: int, k_slot: int) -> ComposeWeights:
+        qw1: Optional[Tensor] = None
+        qw2: Optional[Tensor] = None
+        kw1: Optional[Tensor] = None
+        kw2: Optional[Tensor] = None
+        qdd: Optional[Tensor] = None
+        kdd: Optional[Tensor] = None
+        if w1 is not None and w2 is not None:
+            if q_slot >= 0:
+                qw1, qw2 = w1[:, :, q_slot], w2[:, :, q_slot]                    # (B, N, R, H)
+            if k_slot >= 0:
+                kw1, kw2 = w1[:, :, k_slot], w2[:, :, k_slot]                    # (B, N, R, H)
+        if dd is not None:
+            if q_slot >= 0:
+                qdd = dd[:, :, q_slot]                                           # (B, N, H)
+            if k_slot >= 0:
+                kdd = dd[:, :, k_slot]                                           # (B, N, H)
+        return qw1, qw2, kw1, kw2, qdd, kdd
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        _check_input(x, self.dim)
+        B, N, C = x.shape
+        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)                                                  # (B, H, N, D)
+        q, k = self.q_norm(q), self.k_norm(k)
+
+        w1: Optional[Tensor] = None
+        w2: Optional[Tensor] = None
+        dd: Optional[Tensor] = None
+        if self.dynamic_weights is not None:
+            w1, w2, dd = self.dynamic_weights(x)
+
+        attn = (q * self.scale) @ k.transpose(-2, -1)                            # (B, H, N, N)
+        if self.pre_compose is not None:
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.pre_q_slot, self.pre_k_slot)
+            attn = self.pre_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
+        attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
+        attn = attn.softmax(dim=-1)
+        if self.post_compose is not None:
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.post_q_slot, self.post_k_slot)
+            attn = self.post_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
+        attn = self.attn_drop(attn)
+        x = attn @ v                                                             # (B, H, N, D)
+
+        x = x.transpose(1, 2).reshape(B, N, C)
+        x = self.norm(x)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+    @torch.jit.unused
+    def as_mha(self) -> Attention:
+        """The ``timm.layers.Attention`` with this layer's configuration and qkv/proj weights."""
+        ref = next(self.qkv.parameters())
+        mha = Attention(**self._mha_args, device=ref.device, dtype=ref.dtype)
+        missing, unexpected = mha.load_state_dict(self.state_dict(), strict=False)
+        assert not missing, missing
+        return mha
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options.items())
+
+
+def dcmha_layer(**options: Any) -> Type[DCMHA]:
+    """A `DCMHA` class with the given ablation options as its defaults.
+
+    timm builds attention layers from a class (``attn_layer=``) with its own fixed keyword
+    arguments; this binds the DCMHA options to such a class.
+    """
+    unknown = sorted(set(options) - set(DCMHA_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown DCMHA option(s) {unknown}; valid options: {sorted(DCMHA_OPTIONS)}")
+    bound = dict(options)
+
+    class ConfiguredDCMHA(DCMHA):
+        def __init__(self, dim: int, **kwargs: Any) -> None:
+            super().__init__(dim, **{**bound, **kwargs})
+
+    ConfiguredDCMHA.__name__ = ConfiguredDCMHA.__qualname__ = "DCMHA"
+    return ConfiguredDCMHA

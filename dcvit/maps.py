@@ -1,0 +1,50 @@
+"""Looking inside DCMHA: attention scores and weights before and after Compose."""
+from typing import Dict, List
+
+import torch
+from torch import Tensor, nn
+
+from .attention import DCMHA
+
+__all__ = ["attention_maps"]
+
+
+@torch.no_grad()
+def attention_maps(model: nn.Module, images: Tensor) -> List[Dict[str, object]]:
+    """Run ``model`` on ``images`` and return the attention maps of every DCMHA layer.
+
+    One dict per DCMHA layer, in forward order::
+
+        {"name": "blocks.3.attn",
+         "scores_before", "scores_after":   (B, H, N, N) pre-softmax scores  (if pre-compose)
+         "weights_before", "weights_after": (B, H, N, N) softmax weights     (if post-compose)}
+
+    The maps are read with forward hooks on the layers' ``pre_compose``/``post_compose``
+    submodules; the model runs in eval mode and is left in the mode it was in.
+    """
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, DCMHA)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no DCMHA layer to read attention maps from")
+    records: List[Dict[str, object]] = [{"name": name} for name, _ in layers]
+    handles = []
+
+    def recorder(record: Dict[str, object], kind: str):
+        def hook(module: nn.Module, args, output: Tensor) -> None:
+            record[kind + "_before"] = args[0].detach().float().cpu()
+            record[kind + "_after"] = output.detach().float().cpu()
+        return hook
+
+    was_training = model.training
+    try:
+        for record, (_, layer) in zip(records, layers):
+            if layer.pre_compose is not None:
+                handles.append(layer.pre_compose.register_forward_hook(recorder(record, "scores")))
+            if layer.post_compose is not None:
+                handles.append(layer.post_compose.register_forward_hook(recorder(record, "weights")))
+        model.eval()
+        model(images)
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    return records

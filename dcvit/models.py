@@ -1,0 +1,204 @@
+"""DCViT: timm's VisionTransformer with DCMHA as its attention layer (SPEC §2).
+
+``import dcvit`` registers these names with timm's registry::
+
+    dcvit_tiny_patch16_224   (dcvit_tiny)     192 dim, 12 blocks,  3 heads
+    dcvit_small_patch16_224  (dcvit_small)    384 dim, 12 blocks,  6 heads
+    dcvit_medium_patch16_224 (dcvit_medium)   512 dim, 12 blocks,  8 heads
+    dcvit_base_patch16_224   (dcvit_base)     768 dim, 12 blocks, 12 heads
+
+and the ViT-M/16 baseline ``vit_medium_patch16_224`` where timm lacks it. Every DCMHA option
+of SPEC §1.3 and ``dcmha_layers`` (indices of the blocks that use DCMHA; default all) are
+keyword arguments of ``timm.create_model``.
+"""
+import difflib
+import inspect
+import logging
+from typing import Any, Dict, Iterable, Optional
+
+import torch
+from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import vision_transformer as timm_vit
+from timm.models._builder import build_model_with_cfg as _build_signature_source
+from timm.models.vision_transformer import VisionTransformer
+
+from .attention import DCMHA, DCMHA_OPTIONS, dcmha_layer
+
+__all__ = ["DCVIT_MODELS", "checkpoint_filter_fn"]
+
+_logger = logging.getLogger(__name__)
+
+
+def _cfg(**kwargs: Any) -> Dict[str, Any]:
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None,
+        "crop_pct": 0.875, "interpolation": "bicubic", "fixed_input_size": True,
+        "mean": IMAGENET_INCEPTION_MEAN, "std": IMAGENET_INCEPTION_STD,
+        "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+# No weights are published yet: the cfgs carry preprocessing, and `pretrained_cfg_overlay=
+# dict(file=...)` loads a local .safetensors/.pth file.
+default_cfgs = generate_default_cfgs({
+    "dcvit_tiny_patch16_224": _cfg(),
+    "dcvit_small_patch16_224": _cfg(),
+    "dcvit_medium_patch16_224": _cfg(),
+    "dcvit_base_patch16_224": _cfg(),
+    "vit_medium_patch16_224": _cfg(),
+})
+
+# The keyword arguments timm's builder consumes itself (features, pretrained handling).
+_BUILDER_KWARGS = set(inspect.signature(_build_signature_source).parameters) | {
+    "features_only", "feature_cls", "out_indices", "output_fmt", "flatten_sequential",
+    "feature_cfg", "pretrained_strict",
+}
+_VIT_KWARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self", "attn_layer"}
+
+
+def _check_kwargs(variant: str, kwargs: Dict[str, Any]) -> None:
+    known = _VIT_KWARGS | _BUILDER_KWARGS | set(DCMHA_OPTIONS) | {"dcmha_layers"}
+    for key in kwargs:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise TypeError(f"{variant}: unknown option {key!r}{hint} "
+                            f"(DCMHA options: {sorted(DCMHA_OPTIONS) + ['dcmha_layers']})")
+
+
+def _resolve_layers(variant: str, dcmha_layers: Optional[Iterable[int]], depth: int) -> set:
+    if dcmha_layers is None:
+        return set(range(depth))
+    layers = set()
+    for i in dcmha_layers:
+        if not isinstance(i, int) or isinstance(i, bool) or not -depth <= i < depth:
+            raise ValueError(f"{variant}: dcmha_layers entry {i!r} is not a block index in "
+                             f"[0, {depth}) (negative indices count from the end)")
+        layers.add(i % depth)
+    return layers
+
+
+def _dcvit(variant: str, dcmha_layers: Optional[Iterable[int]] = None,
+           **kwargs: Any) -> VisionTransformer:
+    """Build the VisionTransformer; blocks outside ``dcmha_layers`` get plain timm Attention."""
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in DCMHA_OPTIONS}
+    model = VisionTransformer(attn_layer=dcmha_layer(**options), **kwargs)
+    layers = _resolve_layers(variant, dcmha_layers, len(model.blocks))
+    for i, block in enumerate(model.blocks):
+        if i not in layers:
+            block.attn = block.attn.as_mha()
+    return model
+
+
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTransformer,
+                         **kwargs: Any) -> Dict[str, torch.Tensor]:
+    """Adapt a ViT or DCViT state dict to ``model``.
+
+    timm's ViT conversions run first (pos-embed resizing, unwrapping ``model``/``state_dict``
+    keys). DCMHA tensors a plain ViT checkpoint lacks keep the model's SPEC initialisation
+    and are listed in a log message. A tensor whose shape does not fit raises ``ValueError``.
+    """
+    state_dict = timm_vit.checkpoint_filter_fn(state_dict, model, **kwargs)
+    own = model.state_dict()
+    for key, value in state_dict.items():
+        if key in own and tuple(value.shape) != tuple(own[key].shape):
+            raise ValueError(
+                f"checkpoint tensor {key!r} has shape {tuple(value.shape)} but the model expects "
+                f"{tuple(own[key].shape)}: the checkpoint is for a model of another size "
+                f"(model has embed_dim={model.embed_dim}, depth={len(model.blocks)})")
+    missing = [k for k in own if k not in state_dict]
+    not_dcmha = [k for k in missing if ".attn.dynamic_weights." not in k and ".attn.pre_compose." not in k
+                 and ".attn.post_compose." not in k]
+    if not_dcmha:
+        raise ValueError(f"checkpoint lacks {len(not_dcmha)} tensors the model needs, e.g. "
+                         f"{not_dcmha[:5]}: it is not a checkpoint of this architecture")
+    if missing:
+        _logger.warning("Loaded a plain ViT checkpoint: %d DCMHA tensors keep their initialisation: %s",
+                        len(missing), ", ".join(missing))
+        state_dict = {**state_dict, **{k: own[k] for k in missing}}
+    return state_dict
+
+
+def _create_dcvit(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    _check_kwargs(variant, kwargs)
+    out_indices = kwargs.pop("out_indices", 3)
+    return build_model_with_cfg(
+        lambda **kw: _dcvit(variant, **kw),
+        variant,
+        pretrained,
+        pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
+        **kwargs,
+    )
+
+
+# Architecture of each model: one line of hyper-parameters, user kwargs override them.
+DCVIT_MODELS: Dict[str, Dict[str, Any]] = {
+    "dcvit_tiny_patch16_224": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
+    "dcvit_small_patch16_224": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
+    "dcvit_medium_patch16_224": dict(patch_size=16, embed_dim=512, depth=12, num_heads=8),
+    "dcvit_base_patch16_224": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
+}
+
+
+@register_model
+def dcvit_tiny_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """DCViT-Ti/16: ViT-Ti/16 with DCMHA."""
+    return _create_dcvit("dcvit_tiny_patch16_224", pretrained,
+                         **{**DCVIT_MODELS["dcvit_tiny_patch16_224"], **kwargs})
+
+
+@register_model
+def dcvit_small_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """DCViT-S/16: ViT-S/16 with DCMHA (22,631,272 parameters, 1.026x ViT-S/16)."""
+    return _create_dcvit("dcvit_small_patch16_224", pretrained,
+                         **{**DCVIT_MODELS["dcvit_small_patch16_224"], **kwargs})
+
+
+@register_model
+def dcvit_medium_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """DCViT-M/16: ViT-M/16 with DCMHA."""
+    return _create_dcvit("dcvit_medium_patch16_224", pretrained,
+                         **{**DCVIT_MODELS["dcvit_medium_patch16_224"], **kwargs})
+
+
+@register_model
+def dcvit_base_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """DCViT-B/16: ViT-B/16 with DCMHA."""
+    return _create_dcvit("dcvit_base_patch16_224", pretrained,
+                         **{**DCVIT_MODELS["dcvit_base_patch16_224"], **kwargs})
+
+
+@register_model
+def dcvit_tiny(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """Alias of dcvit_tiny_patch16_224."""
+    return dcvit_tiny_patch16_224(pretrained, **kwargs)
+
+
+@register_model
+def dcvit_small(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """Alias of dcvit_small_patch16_224."""
+    return dcvit_small_patch16_224(pretrained, **kwargs)
+
+
+@register_model
+def dcvit_medium(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """Alias of dcvit_medium_patch16_224."""
+    return dcvit_medium_patch16_224(pretrained, **kwargs)
+
+
+@register_model
+def dcvit_base(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    """Alias of dcvit_base_patch16_224."""
+    return dcvit_base_patch16_224(pretrained, **kwargs)
+
+
+if "vit_medium_patch16_224" not in timm_vit.__dict__:
+    @register_model
+    def vit_medium_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+        """ViT-M/16, the paper's baseline between ViT-S and ViT-B (timm has only gap variants)."""
+        model_args = dict(patch_size=16, embed_dim=512, depth=12, num_heads=8)
+        return timm_vit._create_vision_transformer(
+            "vit_medium_patch16_224", pretrained, **{**model_args, **kwargs})

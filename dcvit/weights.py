@@ -1,0 +1,55 @@
+"""Saving and loading model weights: safetensors for publishing, `.pth` read safely."""
+import os
+import tempfile
+from pathlib import Path
+from typing import Dict, Union
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .models import checkpoint_filter_fn
+
+__all__ = ["save_weights", "load_weights", "read_state_dict"]
+
+PathLike = Union[str, os.PathLike]
+
+
+def save_weights(model: nn.Module, path: PathLike) -> Path:
+    """Write ``model``'s state dict as safetensors, atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def read_state_dict(path: PathLike) -> Dict[str, torch.Tensor]:
+    """Read a ``.safetensors`` file or a ``.pth``/``.pt`` file (``weights_only=True``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"{str(path)!r} does not hold a state dict (got {type(state).__name__})")
+    return state
+
+
+def load_weights(model: nn.Module, path: PathLike) -> nn.Module:
+    """Load a ViT or DCViT checkpoint into a DCViT (or ViT) model.
+
+    DCMHA tensors a plain ViT checkpoint lacks keep their initialisation and are listed
+    in a log message; a checkpoint of another size raises ``ValueError``.
+    """
+    state = checkpoint_filter_fn(read_state_dict(path), model)
+    model.load_state_dict(state, strict=True)
+    return model
