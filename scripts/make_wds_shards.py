@@ -51,7 +51,7 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 TAR_BLOCK = 512
 TAR_RECORD = 20 * TAR_BLOCK
 MAX_KEY_CHARS = 90  # ustar names hold 100 characters; leave room for ".jpg"
-SHARD_MTIME = 0.0  # fixed member mtime: identical inputs give identical shard bytes
+SHARD_MTIME = 0  # fixed integer mtime: identical shard bytes, and no PAX header per member
 
 
 class ConversionError(Exception):
@@ -235,19 +235,26 @@ def _tar_bytes(payload: int) -> int:
 
 
 def plan_shards(samples: Sequence[Sample], shard_size: int, max_bytes: int | None) -> list[list[Sample]]:
-    """Consecutive groups of at most ``shard_size`` samples and (approx.) ``max_bytes`` bytes."""
+    """Consecutive groups of at most ``shard_size`` samples and ``max_bytes`` bytes of tar.
+
+    The byte count is exact for JPEG/PNG sources (stored unchanged) and an estimate for images
+    re-encoded to PNG; a single sample larger than ``max_bytes`` gets a shard of its own.
+    """
+    def tar_size(members: int) -> int:  # + end-of-archive blocks, padded to whole records
+        return -(-(members + 2 * TAR_BLOCK) // TAR_RECORD) * TAR_RECORD
+
     shards: list[list[Sample]] = []
     current: list[Sample] = []
-    current_bytes = 2 * TAR_BLOCK  # end-of-archive blocks
+    members = 0
     for s in samples:
         need = _tar_bytes(s.size) + _tar_bytes(len(str(s.label)))
         full = len(current) >= shard_size or (
-            max_bytes is not None and current and current_bytes + need > max_bytes)
+            max_bytes is not None and current and tar_size(members + need) > max_bytes)
         if full:
             shards.append(current)
-            current, current_bytes = [], 2 * TAR_BLOCK
+            current, members = [], 0
         current.append(s)
-        current_bytes += need
+        members += need
     if current:
         shards.append(current)
     return shards
