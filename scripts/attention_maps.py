@@ -1,0 +1,252 @@
+#!/usr/bin/env python
+"""Per-head attention maps of one image, before and after DCMHA's post-compose, as a PNG.
+
+    python scripts/attention_maps.py --model dcvit_tiny --out maps.png
+    python scripts/attention_maps.py --checkpoint runs/qs/dcvit/checkpoint.pth --digit 7 --out maps.png
+    python scripts/attention_maps.py --model dcvit_small --image cat.jpg --layer 5 --query 0 --out maps.png
+
+Rows of the figure: the attention weights of one query token (default: CLS) over the patch
+tokens, reshaped to the patch grid, per head, before post-compose (plain softmax weights),
+after it (what DCMHA actually uses), and their difference. The first column is the input.
+
+Without ``--image`` the input is a scikit-learn digit (``--digit INDEX``), upscaled. With
+``--checkpoint`` the model name and ``model_kwargs`` come from a ``config.yaml`` beside the
+checkpoint when present (as written by ``python -m train_imagenet``); ``--model`` and
+``--model-kwargs key=value ...`` override them. ``num_classes`` is read off the checkpoint's
+classifier. Weights load with ``dcvit.load_weights`` (``.safetensors``, or ``.pth`` read with
+``weights_only=True``); a plain ViT checkpoint loads too, its DCMHA weights left at init.
+"""
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import yaml
+from PIL import Image
+
+import timm
+import dcvit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prepare_digits import digit_image  # noqa: E402
+
+__all__ = ["parse_model_kwargs", "resolve_model", "build_model", "load_image", "query_maps",
+           "plot_maps", "figure_size", "main"]
+
+CELL_INCHES = 1.7
+DPI = 100
+
+
+def parse_model_kwargs(items: List[str]) -> Dict[str, Any]:
+    """``["img_size=32", "dcmha_layers=[0,1]"]`` -> ``{"img_size": 32, "dcmha_layers": [0, 1]}``
+    (values parsed as YAML)."""
+    kwargs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--model-kwargs entry {item!r} is not key=value, e.g. img_size=32")
+        kwargs[key] = yaml.safe_load(value)
+    return kwargs
+
+
+def _unwrap(state: Dict[str, Any]) -> Dict[str, Any]:
+    for key in ("model", "state_dict"):
+        if isinstance(state.get(key), dict):
+            state = state[key]
+    return state
+
+
+def resolve_model(model: Optional[str], model_kwargs: Dict[str, Any],
+                  checkpoint: Optional[Path]) -> Tuple[str, Dict[str, Any]]:
+    """The timm name and kwargs: ``config.yaml`` beside the checkpoint, then the flags."""
+    name, kwargs = None, {}
+    if checkpoint is not None:
+        config = checkpoint.parent / "config.yaml"
+        if config.is_file():
+            cfg = yaml.safe_load(config.read_text()) or {}
+            if not isinstance(cfg, dict):
+                raise ValueError(f"{config} does not hold a mapping")
+            name = cfg.get("model")
+            kwargs = dict(cfg.get("model_kwargs") or {})
+            num_classes = (cfg.get("data") or {}).get("num_classes")
+            if num_classes is not None and "num_classes" not in kwargs:
+                kwargs["num_classes"] = num_classes
+            print(f"model from {config}: {name} {kwargs}")
+        state = _unwrap(dcvit.read_state_dict(checkpoint))
+        head = state.get("head.weight")
+        if head is not None and "num_classes" not in model_kwargs:
+            kwargs["num_classes"] = int(head.shape[0])
+    name = model or name or "dcvit_tiny"
+    return name, {**kwargs, **model_kwargs}
+
+
+def build_model(name: str, kwargs: Dict[str, Any], checkpoint: Optional[Path]) -> torch.nn.Module:
+    torch.manual_seed(0)  # an untrained model is the same on every run
+    model = timm.create_model(name, **kwargs)
+    if checkpoint is not None:
+        dcvit.load_weights(model, checkpoint)
+        print(f"loaded {checkpoint}")
+    return model.eval()
+
+
+def load_image(model: torch.nn.Module, image: Optional[Path], digit: int) -> Tuple[Image.Image, torch.Tensor]:
+    """The picture (RGB, model input size) and its normalised tensor (1, 3, H, W)."""
+    height, width = model.patch_embed.img_size
+    if image is not None:
+        pic = Image.open(image).convert("RGB")
+    else:
+        from sklearn.datasets import load_digits
+        images = load_digits().images
+        if not 0 <= digit < len(images):
+            raise ValueError(f"--digit {digit} is not an index of the {len(images)} digits")
+        pic = digit_image(images[digit], 32)
+    pic = pic.resize((width, height), Image.Resampling.BICUBIC)
+    cfg = timm.data.resolve_model_data_config(model)
+    x = torch.from_numpy(np.asarray(pic, dtype=np.float32) / 255.0).permute(2, 0, 1)   # (3, H, W)
+    mean = torch.tensor(cfg["mean"]).view(3, 1, 1)
+    std = torch.tensor(cfg["std"]).view(3, 1, 1)
+    return pic, ((x - mean) / std).unsqueeze(0)                                         # (1, 3, H, W)
+
+
+def query_maps(model: torch.nn.Module, x: torch.Tensor, layer: int,
+               query: Optional[int]) -> Dict[str, Any]:
+    """Attention of one query over the patch grid, per head, before/after post-compose.
+
+    Returns ``{"name", "query", "before", "after", "stage"}`` with maps of shape
+    (H, grid_h, grid_w). Layers without post-compose show softmax of the scores before and
+    after pre-compose instead (``stage`` says which).
+    """
+    records = dcvit.attention_maps(model, x)
+    depth = len(model.blocks)
+    if not -depth <= layer < depth:
+        raise ValueError(f"--layer {layer} is not a block index in [0, {depth}) "
+                         "(negative counts from the end)")
+    want = f"blocks.{layer % depth}.attn"
+    by_name = {r["name"]: r for r in records}
+    if want not in by_name:
+        dcmha_blocks = [int(n.split(".")[1]) for n in by_name]
+        raise ValueError(f"block {layer % depth} has no DCMHA (it is plain attention); "
+                         f"DCMHA blocks: {dcmha_blocks}")
+    rec = by_name[want]
+    if "weights_before" in rec:
+        before, after, stage = rec["weights_before"], rec["weights_after"], "post-compose"
+    else:
+        before, after = rec["scores_before"].softmax(-1), rec["scores_after"].softmax(-1)
+        stage = "pre-compose (softmax of scores)"
+    prefix = model.num_prefix_tokens
+    grid_h, grid_w = model.patch_embed.grid_size
+    tokens = before.shape[-1]
+    if query is None:
+        query = 0 if prefix else grid_h // 2 * grid_w + grid_w // 2
+    if not 0 <= query < tokens:
+        raise ValueError(f"--query {query} is not a token index in [0, {tokens}) "
+                         f"({prefix} prefix token(s), then {grid_h}x{grid_w} patches)")
+
+    def to_grid(a: torch.Tensor) -> np.ndarray:
+        return a[0, :, query, prefix:].reshape(-1, grid_h, grid_w).numpy()          # (H, gh, gw)
+
+    return {"name": want, "query": query, "prefix": prefix, "grid": (grid_h, grid_w),
+            "before": to_grid(before), "after": to_grid(after), "stage": stage}
+
+
+def figure_size(num_heads: int) -> Tuple[int, int]:
+    """Pixel size (width, height) of the PNG: (1 + heads) columns, 3 rows."""
+    return round((num_heads + 1) * CELL_INCHES * DPI), round(3 * CELL_INCHES * DPI)
+
+
+def plot_maps(pic: Image.Image, maps: Dict[str, Any], title: str, out: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before, after = maps["before"], maps["after"]                                 # (H, gh, gw)
+    heads = before.shape[0]
+    width, height = figure_size(heads)
+    fig, axes = plt.subplots(3, heads + 1, figsize=(width / DPI, height / DPI), dpi=DPI,
+                             squeeze=False, layout="constrained")
+    vmin, vmax = min(before.min(), after.min()), max(before.max(), after.max())
+    diff = after - before
+    dmax = max(float(np.abs(diff).max()), 1e-12)
+    rows = [("before", before, dict(cmap="viridis", vmin=vmin, vmax=vmax)),
+            ("after", after, dict(cmap="viridis", vmin=vmin, vmax=vmax)),
+            ("after - before", diff, dict(cmap="RdBu_r", vmin=-dmax, vmax=dmax))]
+    gh, gw = maps["grid"]
+    q_patch = maps["query"] - maps["prefix"]
+    for r, (label, data, style) in enumerate(rows):
+        ax = axes[r, 0]
+        ax.imshow(pic)
+        if q_patch >= 0:
+            ph, pw = pic.height / gh, pic.width / gw
+            ax.add_patch(plt.Rectangle(((q_patch % gw) * pw, (q_patch // gw) * ph), pw, ph,
+                                       fill=False, edgecolor="red", linewidth=1.5))
+        ax.set_ylabel(label, fontsize=9)
+        for h in range(heads):
+            im = axes[r, h + 1].imshow(data[h], interpolation="nearest", **style)
+            if r == 0:
+                axes[r, h + 1].set_title(f"head {h}", fontsize=9)
+        fig.colorbar(im, ax=axes[r, 1:].tolist(), shrink=0.9)
+    for ax in axes.ravel():
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(title, fontsize=9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, format="png", dpi=DPI)
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("--model", default=None,
+                        help="timm model name (default: from config.yaml beside --checkpoint, "
+                             "else dcvit_tiny)")
+    parser.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="timm.create_model kwargs, e.g. img_size=32 patch_size=4")
+    parser.add_argument("--checkpoint", type=Path, default=None,
+                        help=".safetensors or .pth weights (ViT or DCViT)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--image", type=Path, default=None, help="an image file")
+    source.add_argument("--digit", type=int, default=0,
+                        help="index of a scikit-learn digit to use when no --image (default 0)")
+    parser.add_argument("--layer", type=int, default=-1, help="block index (default: last)")
+    parser.add_argument("--query", type=int, default=None,
+                        help="query token index (default: 0 = CLS; centre patch without prefix tokens)")
+    parser.add_argument("--out", type=Path, required=True, help="output PNG")
+    args = parser.parse_args(argv)
+
+    try:
+        name, kwargs = resolve_model(args.model, parse_model_kwargs(args.model_kwargs), args.checkpoint)
+        model = build_model(name, kwargs, args.checkpoint)
+        pic, x = load_image(model, args.image, args.digit)
+        maps = query_maps(model, x, args.layer, args.query)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        parser.error(str(e))
+    with torch.no_grad():
+        pred = int(model(x).argmax(-1))
+    source = str(args.image) if args.image is not None else f"digit #{args.digit}"
+    query = "CLS" if maps["query"] < maps["prefix"] else f"patch {maps['query'] - maps['prefix']}"
+    title = (f"{name} {maps['name']}: attention of {query} over patches, before/after {maps['stage']}"
+             f"\n{source}, predicted class {pred}")
+    plot_maps(pic, maps, title, args.out)
+    change = np.abs(maps["after"] - maps["before"]).max(axis=(1, 2))
+    print(f"{maps['name']} ({maps['stage']}), query {query}: max |after - before| per head "
+          + " ".join(f"{c:.2e}" for c in change))
+    print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""scripts/attention_maps.py on a tiny DCViT: the PNG, checkpoint loading, the maps' layout."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+import yaml
+from PIL import Image
+
+import dcvit
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "attention_maps.py"
+TINY = dict(img_size=32, patch_size=8, depth=2, embed_dim=24, num_heads=3)
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("attention_maps", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+am = _load_script()
+
+
+def _trained_like(**kwargs) -> torch.nn.Module:
+    """A tiny DCViT with large dynamic weights, so that post-compose visibly changes maps."""
+    torch.manual_seed(1)
+    model = timm.create_model("dcvit_tiny", num_classes=10, **{**TINY, **kwargs}).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".dynamic_weights." in name:
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("run")
+    model = _trained_like()
+    dcvit.save_weights(model, d / "model.safetensors")
+    torch.save({"model": model.state_dict(), "epoch": 3}, d / "checkpoint.pth")
+    (d / "config.yaml").write_text(yaml.safe_dump(
+        {"model": "dcvit_tiny", "model_kwargs": TINY, "data": {"num_classes": 10}}))
+    return d, model
+
+
+def _check_png(out: Path, heads: int) -> None:
+    with Image.open(out) as img:
+        img.verify()
+    with Image.open(out) as img:
+        assert img.format == "PNG"
+        assert img.size == am.figure_size(heads)
+    assert not list(out.parent.glob("*.tmp"))
+
+
+def test_main_writes_png_of_expected_size(run_dir, tmp_path, capsys):
+    d, _ = run_dir
+    out = tmp_path / "sub" / "maps.png"
+    assert am.main(["--checkpoint", str(d / "model.safetensors"), "--digit", "7", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "saved" in printed and "blocks.1.attn" in printed
+    _check_png(out, 3)
+
+
+@pytest.mark.slow
+def test_cli_subprocess(run_dir, tmp_path):
+    d, _ = run_dir
+    out = tmp_path / "maps.png"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--checkpoint", str(d / "checkpoint.pth"),
+                           "--layer", "0", "--out", str(out)],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "blocks.0.attn" in proc.stdout
+    _check_png(out, 3)
+
+
+def test_figure_grows_with_heads(tmp_path):
+    model = _trained_like(num_heads=6)
+    pic, x = am.load_image(model, None, 0)
+    maps = am.query_maps(model, x, -1, None)
+    out = am.plot_maps(pic, maps, "six heads", tmp_path / "m.png")
+    with Image.open(out) as img:
+        assert img.size == am.figure_size(6)
+    assert am.figure_size(6)[0] > am.figure_size(3)[0]
+
+
+def test_model_comes_from_config_beside_checkpoint(run_dir):
+    d, _ = run_dir
+    name, kwargs = am.resolve_model(None, {}, d / "checkpoint.pth")
+    assert name == "dcvit_tiny" and kwargs == {**TINY, "num_classes": 10}
+    # Flags override the config.
+    name, kwargs = am.resolve_model("dcvit_small", {"depth": 1}, d / "checkpoint.pth")
+    assert name == "dcvit_small" and kwargs["depth"] == 1 and kwargs["embed_dim"] == 24
+
+
+def test_num_classes_from_checkpoint_without_config(tmp_path):
+    model = timm.create_model("dcvit_tiny", num_classes=7, **TINY)
+    dcvit.save_weights(model, tmp_path / "w.safetensors")
+    name, kwargs = am.resolve_model(None, am.parse_model_kwargs(
+        ["img_size=32", "patch_size=8", "depth=2", "embed_dim=24", "num_heads=3"]), tmp_path / "w.safetensors")
+    assert kwargs == {**TINY, "num_classes": 7}
+
+
+@pytest.mark.parametrize("ckpt", ["model.safetensors", "checkpoint.pth"])
+def test_checkpoint_weights_are_used(run_dir, ckpt):
+    d, reference = run_dir
+    name, kwargs = am.resolve_model(None, {}, d / ckpt)
+    model = am.build_model(name, kwargs, d / ckpt)
+    _, x = am.load_image(model, None, 4)
+    torch.testing.assert_close(model(x), reference(x))
+
+
+def test_maps_are_the_query_row_on_the_patch_grid(run_dir):
+    _, model = run_dir
+    _, x = am.load_image(model, None, 2)
+    maps = am.query_maps(model, x, 1, 0)
+    rec = dcvit.attention_maps(model, x)[1]
+    gh, gw = model.patch_embed.grid_size
+    for h in range(3):
+        for i in range(gh):
+            for j in range(gw):
+                assert maps["before"][h, i, j] == rec["weights_before"][0, h, 0, 1 + i * gw + j]
+                assert maps["after"][h, i, j] == rec["weights_after"][0, h, 0, 1 + i * gw + j]
+    # Softmax weights over all keys (CLS + patches) sum to one; composition changed them.
+    cls = rec["weights_before"][0, :, 0, 0].numpy()
+    assert abs(maps["before"].sum(axis=(1, 2)) + cls - 1).max() < 1e-5
+    assert abs(maps["after"] - maps["before"]).max() > 1e-3
+
+
+def test_image_file_and_query_patch(tmp_path):
+    model = _trained_like(class_token=False, global_pool="avg")
+    Image.new("RGB", (50, 40), (200, 10, 10)).save(tmp_path / "red.png")
+    pic, x = am.load_image(model, tmp_path / "red.png", 0)
+    assert pic.size == (32, 32) and x.shape == (1, 3, 32, 32)
+    maps = am.query_maps(model, x, 0, None)                 # no prefix token: centre patch
+    assert maps["prefix"] == 0 and maps["query"] == 2 * 4 + 2
+    assert abs(maps["before"].sum(axis=(1, 2)) - 1).max() < 1e-5
+
+
+def test_errors_name_the_bad_value():
+    model = _trained_like(dcmha_layers=[0])
+    _, x = am.load_image(model, None, 0)
+    with pytest.raises(ValueError, match=r"block 1 has no DCMHA.*DCMHA blocks: \[0\]"):
+        am.query_maps(model, x, 1, None)
+    with pytest.raises(ValueError, match="--layer 5"):
+        am.query_maps(model, x, 5, None)
+    with pytest.raises(ValueError, match="--query 99"):
+        am.query_maps(model, x, 0, 99)
+    with pytest.raises(ValueError, match="img_size"):
+        am.parse_model_kwargs(["img_size"])
+    with pytest.raises(ValueError, match="--digit"):
+        am.load_image(model, None, 5000)
