@@ -140,14 +140,37 @@ def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str],
     return classes, items
 
 
-def _parse_label(token: str, index: dict[str, int], offset: int, where: str) -> int:
+def read_label_names(path: Path) -> list[str]:
+    """Names the integer labels of a labels file refer to, in their order.
+
+    A devkit ``meta.mat`` (ILSVRC2012): the WNIDs of the 1000 leaf synsets ordered by
+    ``ILSVRC2012_ID``, so 1-based ground truth ``k`` (``--label-offset 1``) names ``names[k - 1]``.
+    Anything else: like ``--classes`` (JSON list or one name a line).
+    """
+    if path.suffix != ".mat":
+        return read_class_names(path)
+    from scipy.io import loadmat
+    try:
+        synsets = loadmat(str(path), squeeze_me=True)["synsets"]
+        leaves = sorted((int(s["ILSVRC2012_ID"]), str(s["WNID"])) for s in synsets if int(s["num_children"]) == 0)
+    except Exception as e:
+        raise ConversionError(f"cannot read ILSVRC devkit synsets from {path} ({type(e).__name__}: {e}); "
+                              "expected ILSVRC2012_devkit_t12/data/meta.mat") from None
+    return [wnid for _, wnid in leaves]
+
+
+def _parse_label(token: str, index: dict[str, int], offset: int, where: str,
+                 names: list[str] | None = None) -> int:
     if re.fullmatch(r"[+-]?\d+", token):
         label = int(token) - offset
-        if not 0 <= label < len(index):
+        span = len(index) if names is None else len(names)
+        if not 0 <= label < span:
             raise ConversionError(
-                f"{where}: label {token} gives class index {label} (after --label-offset {offset}), "
-                f"out of range [0, {len(index)}); 1-based ILSVRC ground truth needs --label-offset 1")
-        return label
+                f"{where}: label {token} gives index {label} (after --label-offset {offset}), "
+                f"out of range [0, {span}); 1-based ILSVRC ground truth needs --label-offset 1")
+        if names is None:
+            return label
+        token = names[label]
     if token in index:
         return index[token]
     close = difflib.get_close_matches(token, list(index), n=1)
@@ -155,16 +178,18 @@ def _parse_label(token: str, index: dict[str, int], offset: int, where: str) -> 
     raise ConversionError(f"{where}: class '{token}' is not in --classes{hint}")
 
 
-def read_labels(path: Path, images: list[Path], classes: list[str], offset: int) -> list[int]:
+def read_labels(path: Path, images: list[Path], classes: list[str], offset: int,
+                names: list[str] | None = None) -> list[int]:
     """Labels of ``images`` (sorted) from ``path``.
 
     Accepted line formats (blank lines and ``#`` comments skipped, ``,`` or whitespace separated):
       ``filename label``: label is a class index (minus ``offset``) or a class name; filename
         with or without its extension; extra columns (e.g. boxes in ``LOC_val_solution.csv``,
         whose label column is ``n01751748 x y x y ...``) are ignored; a CSV header is skipped;
-      ``label``: one label per line in sorted filename order (``ILSVRC2012_validation_ground_truth.txt``:
-        1-based indices, so ``offset=1``; those indices follow the devkit's class order, so give
-        ``--classes`` in that order, see docs/data.md).
+      ``label``: one label per line in sorted filename order.
+    Integer labels minus ``offset`` are class indices, or, with ``names``, positions in
+    ``names`` whose entry is looked up in ``classes`` (ILSVRC2012_validation_ground_truth.txt:
+    1-based devkit ids, ``offset=1`` and ``names`` from the devkit's meta.mat).
     """
     try:
         lines = path.read_text().splitlines()
@@ -179,7 +204,7 @@ def read_labels(path: Path, images: list[Path], classes: list[str], offset: int)
         if len(rows) != len(images):
             raise ConversionError(f"{path} has {len(rows)} labels, one a line, for {len(images)} images; "
                                   "a one-column labels file needs one line per image in sorted filename order")
-        return [_parse_label(cols[0], index, offset, f"{path}:{n}") for n, cols in rows]
+        return [_parse_label(cols[0], index, offset, f"{path}:{n}", names) for n, cols in rows]
     if rows[0][1][0].lower() in ("imageid", "image", "filename", "file", "name", "id"):
         rows = rows[1:]  # CSV header, e.g. "ImageId,PredictionString"
     by_name: dict[str, tuple[str, str]] = {}
@@ -193,18 +218,19 @@ def read_labels(path: Path, images: list[Path], classes: list[str], offset: int)
         if entry is None:
             missing.append(image.name)
             continue
-        labels.append(_parse_label(entry[0], index, offset, entry[1]))
+        labels.append(_parse_label(entry[0], index, offset, entry[1], names))
     if missing:
         raise ConversionError(f"{path} has no label for {len(missing)} image(s), e.g. {missing[:3]}")
     return labels
 
 
-def scan_flat(src: Path, labels_file: Path, classes: list[str], offset: int) -> list[tuple[Path, int]]:
+def scan_flat(src: Path, labels_file: Path, classes: list[str], offset: int,
+              names: list[str] | None = None) -> list[tuple[Path, int]]:
     images = sorted(p for p in src.iterdir() if p.is_file() and _is_image(p.name))
     if not images:
         raise ConversionError(f"no images found directly in {src} for the flat layout of --labels "
                               f"(looked for {', '.join(IMG_EXTENSIONS)})")
-    return list(zip(images, read_labels(labels_file, images, classes, offset)))
+    return list(zip(images, read_labels(labels_file, images, classes, offset, names)))
 
 
 def make_keys(relpaths: Sequence[str]) -> list[str]:
@@ -354,11 +380,14 @@ def convert(args: argparse.Namespace) -> dict:
     src, out, split = Path(args.src), Path(args.out), args.split
     _check_source(src)
     classes = read_class_names(Path(args.classes)) if args.classes else None
+    if args.label_names and not args.labels:
+        raise ConversionError("--label-names only applies to the labels of --labels FILE")
     if args.labels:
         if classes is None:
             raise ConversionError("the flat layout (--labels) needs --classes: pass the classes.json "
                                   "written for the train split so both splits share class indices")
-        items = scan_flat(src, Path(args.labels), classes, args.label_offset)
+        names = read_label_names(Path(args.label_names)) if args.label_names else None
+        items = scan_flat(src, Path(args.labels), classes, args.label_offset, names)
     else:
         classes, items = scan_class_folders(src, classes)
     keys = make_keys([p.relative_to(src).as_posix() for p, _ in items])
@@ -547,6 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "one label a line in sorted filename order")
     p.add_argument("--label-offset", type=int, default=0,
                    help="subtracted from integer labels: 1 for 1-based files (ILSVRC ground truth)")
+    p.add_argument("--label-names", help="what integer labels of --labels refer to: names in order "
+                                         "(JSON list or one a line) or the ILSVRC devkit meta.mat")
     p.add_argument("--classes", help="class names in index order (classes.json or one a line); "
                                      "required with --labels; reuses train's indices")
     p.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=None,

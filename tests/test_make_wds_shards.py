@@ -41,7 +41,8 @@ def _digit_image(i: int) -> Image.Image:
 
 
 def _make_imagefolder(root: Path) -> dict:
-    """ImageFolder of 4 digit classes; PNG, JPEG (``.JPEG``), a BMP, a nested folder, a text file.
+    """ImageFolder of 4 digit classes: PNG, JPEG (``.JPEG``), BMP, PNG bytes named ``.jpeg``,
+    a nested folder and a text file.
 
     Returns {key: (relative path, label)} with keys and labels derived here independently.
     """
@@ -51,11 +52,11 @@ def _make_imagefolder(root: Path) -> dict:
     for name in CLASSES:
         picks = np.flatnonzero(DIGITS.target == digit_of[name])[:PER_CLASS]
         for j, i in enumerate(picks):
-            ext = {0: ".JPEG", 1: ".bmp"}.get(j, ".png")
+            ext = {0: ".JPEG", 1: ".bmp", 3: ".jpeg"}.get(j, ".png")
             sub = "nested/" if j == 2 else ""
             rel = f"{name}/{sub}digit_{i}{ext}"
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            _digit_image(i).save(root / rel, format={"JPEG": "JPEG", "bmp": "BMP"}.get(ext[1:], "PNG"))
+            _digit_image(i).save(root / rel, format={".JPEG": "JPEG", ".bmp": "BMP"}.get(ext, "PNG"))
             expected[f"{name}__{sub.replace('/', '__')}digit_{i}"] = (rel, index[name])
     (root / "one" / "README.txt").write_text("not an image\n")
     return expected
@@ -111,7 +112,7 @@ def test_round_trip_keeps_bytes_labels_and_count(folder, shards, capsys):
             assert ext == "png"
             assert np.array_equal(np.asarray(Image.open(io.BytesIO(data))), np.asarray(Image.open(src / rel)))
         else:
-            assert ext == {".JPEG": "jpg", ".png": "png"}[Path(rel).suffix]
+            assert ext == {"JPEG": "jpg", "PNG": "png"}[Image.open(src / rel).format]
             assert data == original, key
     # Shuffled by default for train: the first shard is not one class.
     first = [samples[k][2] for k in samples][:6]
@@ -191,6 +192,25 @@ def test_val_layout_with_labels_file(folder, shards, tmp_path, form):
         assert got == label and data == (flat / name).read_bytes()
     assert json.loads((out / "classes.json").read_text()) == classes
     assert (out / "train.json").exists()  # the other split is untouched
+
+
+def test_ilsvrc_ground_truth_with_devkit_class_order(folder, shards, tmp_path):
+    """1-based ids in the devkit's own class order, mapped to train's sorted indices via meta.mat."""
+    from scipy.io import savemat
+
+    flat, truth = _val_layout(tmp_path, folder)
+    classes = json.loads((shards / "classes.json").read_text())
+    devkit_order = [classes[i] for i in (2, 0, 3, 1)]  # ILSVRC2012_ID 1..4
+    synsets = np.array([(i + 1, name, 0) for i, name in enumerate(devkit_order)] + [(5, "parent", 4)],
+                       dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")])
+    savemat(tmp_path / "meta.mat", {"synsets": synsets[::-1].reshape(-1, 1)})
+    gt = tmp_path / "ILSVRC2012_validation_ground_truth.txt"
+    gt.write_text("".join(f"{devkit_order.index(classes[truth[n]]) + 1}\n" for n in sorted(truth)))
+    out = tmp_path / "out"
+    assert _run("--src", flat, "--out", out, "--split", "val", "--labels", gt, "--label-offset", 1,
+                "--label-names", tmp_path / "meta.mat", "--classes", shards / "classes.json") == 0
+    samples, _ = _read_back(out, "val")
+    assert {name: samples[Path(name).stem][2] for name in truth} == truth
 
 
 def _copy(shards: Path, tmp_path: Path) -> Path:
