@@ -192,7 +192,7 @@ def read_labels(path: Path, images: list[Path], classes: list[str], offset: int,
     1-based devkit ids, ``offset=1`` and ``names`` from the devkit's meta.mat).
     """
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise ConversionError(f"cannot read labels file {path}: {getattr(e, 'strerror', None) or e}") from None
     rows = [(n, re.split(r"[\s,]+", line.strip())) for n, line in enumerate(lines, 1)
@@ -389,6 +389,9 @@ def convert(args: argparse.Namespace) -> dict:
         names = read_label_names(Path(args.label_names)) if args.label_names else None
         items = scan_flat(src, Path(args.labels), classes, args.label_offset, names)
     else:
+        if out.resolve() == src.resolve() or src.resolve() in out.resolve().parents:
+            raise ConversionError(f"--out {out} lies inside --src {src}, where it would be read as a class "
+                                  "folder; write the shards outside the image tree")
         classes, items = scan_class_folders(src, classes)
     keys = make_keys([p.relative_to(src).as_posix() for p, _ in items])
     samples = [Sample(str(p.resolve()), k, label, p.stat().st_size) for (p, label), k in zip(items, keys)]
@@ -595,9 +598,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Exit status: 0 success, 1 verification found problems, 2 bad input or options."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.split is not None and not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", args.split) \
-            or args.split == "classes":
-        parser.error(f"--split {args.split!r}: use letters, digits, '_' or '-' (and not 'classes')")
+    # No '-': readers find DIR/<split>.json from the text before the first '-' of a shard name.
+    if args.split is not None and not re.fullmatch(r"[A-Za-z0-9_]+", args.split) or args.split == "classes":
+        parser.error(f"--split {args.split!r}: use letters, digits and '_' only (and not 'classes')")
     try:
         if args.src is None and args.out is None:
             if not isinstance(args.verify, str):

@@ -176,7 +176,7 @@ def test_val_layout_with_labels_file(folder, shards, tmp_path, form):
     if form == "name-index":
         labels.write_text("".join(f"{n} {truth[n]}\n" for n in reversed(names)))
     elif form == "csv-classname":  # LOC_val_solution.csv: header, stem, class name + boxes
-        labels.write_text("ImageId,PredictionString\n" + "".join(
+        labels.write_text("\ufeffImageId,PredictionString\r\n" + "".join(
             f"{Path(n).stem},{classes[truth[n]]} 1 2 3 4\n" for n in names))
     else:  # ILSVRC2012_validation_ground_truth.txt
         labels.write_text("".join(f"{truth[n] + 1}\n" for n in names))
@@ -313,6 +313,14 @@ def _error(capsys, *argv) -> str:
     return capsys.readouterr().err
 
 
+def test_bad_split_name_is_rejected(folder, tmp_path, capsys):
+    src, _ = folder
+    with pytest.raises(SystemExit) as exc:
+        _run("--src", src, "--out", tmp_path, "--split", "val-real")
+    assert exc.value.code == 2 and "letters, digits and '_'" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_source_errors(tmp_path, capsys, folder):
     assert "does not exist" in _error(capsys, "--src", tmp_path / "nope", "--out", tmp_path / "o")
     (tmp_path / "empty").mkdir()
@@ -321,6 +329,9 @@ def test_source_errors(tmp_path, capsys, folder):
     (tmp_path / "noimg" / "cat" / "a.txt").write_text("x")
     err = _error(capsys, "--src", tmp_path / "noimg", "--out", tmp_path / "o")
     assert "no images found" in err and "holds no images" in err  # warning, then the error
+    src, _ = folder
+    assert "lies inside --src" in _error(capsys, "--src", src, "--out", src / "shards")
+    assert not (src / "shards").exists()
     flat, _ = _val_layout(tmp_path, folder)
     err = _error(capsys, "--src", flat, "--out", tmp_path / "o")
     assert "--labels" in err and "directly in" in err
@@ -372,6 +383,14 @@ def test_classes_conflict_with_other_split(shards, tmp_path, capsys):
     assert "lists other classes" in err and "--classes" in err
 
 
+def test_command_line_usage_errors_exit_2():
+    run = subprocess.run([sys.executable, str(SCRIPT), "--src", "somewhere"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and "needs both --src and --out" in run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_command_line_writes_prints_pattern_and_verifies(folder, tmp_path):
     src, expected = folder
     out = tmp_path / "cli"
