@@ -85,7 +85,7 @@ def read_class_names(path: Path) -> list[str]:
     try:
         text = path.read_text()
     except OSError as e:
-        raise ConversionError(f"cannot read --classes file {path}: {e.strerror}") from None
+        raise ConversionError(f"cannot read class names file {path}: {e.strerror}") from None
     if path.suffix == ".json":
         try:
             names = json.loads(text)
