@@ -136,12 +136,20 @@ def flop_analysis(model: nn.Module, inputs: Any) -> FlopCountAnalysis:
 
 @contextlib.contextmanager
 def _reference_attention(model: nn.Module) -> Iterator[None]:
-    """Trace DCMHA's reference implementation (the ops fvcore can see)."""
-    switch = getattr(DCMHA, "reference_path", None)
-    if switch is None or not any(isinstance(m, DCMHA) for m in model.modules()):
+    """Run DCMHA's reference core (the `Compose` modules, ops fvcore can see) in this block.
+
+    The fast cores of `dcvit.fused` (C++/Triton kernels, an autograd Function) hide their
+    matrix products from fvcore and from ``FlopCounterMode``; MACs are those of the
+    paper's formulation, whichever core runs in production.
+    """
+    try:
+        from .fused import attention_impl
+    except ImportError:  # a dcvit without fast attention cores
+        attention_impl = None
+    if attention_impl is None or not any(isinstance(m, DCMHA) for m in model.modules()):
         yield
         return
-    with switch():
+    with attention_impl("reference"):
         yield
 
 

@@ -1,0 +1,205 @@
+"""FLOP and parameter accounting (SPEC §3): fvcore with exact handles, and its cross-checks."""
+import math
+
+import pytest
+import timm
+import torch
+from fvcore.nn import FlopCountAnalysis
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import dcvit  # noqa: F401  (registers the DCViT models)
+from dcvit.accounting import (MATMUL_OPS, account, analytic_macs, einsum_macs, flop_counter_macs,
+                              module_table)
+
+# Published fvcore anchors at 224x224 (SPEC §3, fused attention off in their source).
+ANCHORS = {
+    "vit_tiny_patch16_224": 1_258_411_200,
+    "vit_small_patch16_224": 4_608_338_304,
+    "vit_base_patch16_224": 17_582_740_224,
+}
+SMALL = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4, num_classes=10)
+
+
+def torch_macs(fn, *args) -> int:
+    """Multiply-adds of ``fn(*args)`` as torch's dispatcher-level counter sees them."""
+    with FlopCounterMode(display=False) as counter:
+        fn(*args)
+    return counter.get_total_flops() // 2
+
+
+@pytest.mark.parametrize("equation,shapes", [
+    ("bnc,cgk->bngk", [(2, 5, 8), (8, 4, 3)]),            # DynamicWeights: x @ dw1
+    ("bngk,gkih->bngih", [(2, 5, 4, 3), (4, 3, 6, 2)]),   # DynamicWeights: hidden @ qkw
+    ("bgts,btrg->brts", [(2, 3, 5, 7), (2, 5, 2, 3)]),    # Compose, query-wise, T != S
+    ("brts,bsrh->bhts", [(2, 2, 5, 7), (2, 7, 2, 3)]),    # Compose, key-wise
+    ("...ij,...jk->...ik", [(3, 2, 4, 5), (2, 5, 6)]),     # ellipsis with broadcasting
+    ("ij,jk,kl->il", [(4, 5), (5, 6), (6, 7)]),           # three operands, pairwise path
+])
+def test_einsum_macs_matches_torch_dispatch(equation, shapes):
+    operands = [torch.randn(s) for s in shapes]
+    assert einsum_macs(equation, shapes) == torch_macs(torch.einsum, equation, *operands)
+
+
+def test_einsum_macs_counts_gate_once_per_element():
+    # An element-wise gate is one multiply per output element; fvcore's default halves it.
+    a, g = torch.randn(2, 3, 5, 7), torch.randn(2, 5, 3)
+    expected = a.numel()
+    assert einsum_macs("bhts,bth->bhts", [a.shape, g.shape]) == expected
+
+    class Gate(nn.Module):
+        def forward(self, a, g):
+            return torch.einsum("bhts,bth->bhts", a, g)
+
+    default = FlopCountAnalysis(Gate(), (a, g)).unsupported_ops_warnings(False).total()
+    assert default == expected // 2
+
+
+@pytest.fixture(scope="module")
+def vit_small():
+    model = timm.create_model("vit_small_patch16_224")
+    return model, account(model)
+
+
+@pytest.fixture(scope="module")
+def dcvit_small():
+    model = timm.create_model("dcvit_small_patch16_224")
+    return model, account(model)
+
+
+@pytest.mark.parametrize("name", [
+    "vit_tiny_patch16_224",
+    "vit_small_patch16_224",
+    pytest.param("vit_base_patch16_224", marks=pytest.mark.slow),
+])
+def test_vit_anchors_with_fused_attention(name, request):
+    if name == "vit_small_patch16_224":
+        model, acc = request.getfixturevalue("vit_small")
+    else:
+        model = timm.create_model(name)
+        acc = account(model)
+    assert all(block.attn.fused_attn for block in model.blocks), "timm's fused attention should be on"
+    assert acc.macs == ANCHORS[name]
+    assert acc.macs == analytic_macs(model)["total"]
+    assert acc.params == sum(p.numel() for p in model.parameters())
+    assert acc.macs_by_operator["scaled_dot_product_attention"] > 0
+    assert "aten::scaled_dot_product_attention" not in acc.skipped_ops
+
+
+def test_fused_and_unfused_attention_count_the_same():
+    model = timm.create_model("vit_tiny_patch16_224", **SMALL)
+    fused = account(model)
+    for block in model.blocks:
+        block.attn.fused_attn = False
+    unfused = account(model)
+    assert fused.macs == unfused.macs == analytic_macs(model)["total"]
+    assert unfused.macs_by_operator["matmul"] == fused.macs_by_operator["scaled_dot_product_attention"]
+    # What plain fvcore does with fused attention: skips SDPA and says so.
+    for block in model.blocks:
+        block.attn.fused_attn = True
+    plain = FlopCountAnalysis(model, torch.zeros(1, 3, 32, 32)).unsupported_ops_warnings(False)
+    assert plain.total() < fused.macs
+    assert plain.unsupported_ops()["aten::scaled_dot_product_attention"] == len(model.blocks)
+
+
+def test_dcvit_small_params_and_analytic_formula(dcvit_small, vit_small):
+    model, acc = dcvit_small
+    model_base, base = vit_small
+    c, h, r, depth = 384, 6, 2, 12
+    k = 4 * h
+    per_layer = c * 4 * k + 4 * k * 2 * r * h + c * 4 * h          # SPEC §1.2
+    assert acc.params == base.params + depth * per_layer
+    assert acc.params == sum(p.numel() for p in model.parameters())
+
+    parts = analytic_macs(model)
+    assert abs(acc.macs - parts["total"]) <= 0.005 * parts["total"]
+    # The overhead rows, one by one, against the formula's terms.
+    rows = {row["module"]: row for row in module_table(acc)}
+    for name in ("dynamic_weights", "pre_compose", "post_compose"):
+        assert rows[f"blocks.*.attn.{name}"]["macs"] == parts[name] > 0
+    assert rows["blocks.*.attn.dynamic_weights"]["params"] == depth * per_layer
+    extra = acc.macs / base.macs - 1
+    assert 0.03 < extra < 0.04, f"DCViT-S extra MACs {extra:.2%}, SPEC §3 expects about +3-4 %"
+    assert analytic_macs(model_base)["total"] == base.macs
+
+
+def test_dcvit_skipped_ops_are_reported(dcvit_small):
+    _, acc = dcvit_small
+    # Element-wise ops are not counted, but every one of them is listed.
+    for op in ("aten::softmax", "aten::gelu", "aten::tanh"):
+        assert acc.skipped_ops.get(op, 0) >= 12, acc.skipped_ops
+
+
+@pytest.mark.parametrize("options", [
+    dict(),
+    dict(rank=1),
+    dict(rank=4, query_wise=False),
+    dict(key_wise=False, post_compose=False),
+    dict(pre_compose=False, dynamic_gate=False),
+    dict(dynamic_proj=False),
+    dict(static_proj=True),
+    dict(dcmha_layers=[1], qkv_bias=True),
+])
+def test_analytic_formula_covers_ablations(options):
+    model = timm.create_model("dcvit_tiny_patch16_224", **SMALL, **options)
+    acc = account(model)
+    parts = analytic_macs(model)
+    assert acc.macs == parts["total"]
+    table = {row["module"]: row["macs"] for row in module_table(acc)}
+    for name in ("dynamic_weights", "pre_compose", "post_compose"):
+        assert table.get(f"blocks.*.attn.{name}", 0) == parts[name]
+
+
+@pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "dcvit_tiny_patch16_224"])
+def test_flop_counter_agrees_on_matmuls(name):
+    # On CPU: timm's fused SDPA goes through the custom mapping for the CPU kernel.
+    model = timm.create_model(name, **SMALL)
+    acc = account(model)
+    assert acc.matmul_macs == flop_counter_macs(model, device="cpu")["total"]
+    assert acc.matmul_macs == flop_counter_macs(model, device="meta")["total"]
+    # Like with like: what fvcore counts beyond FlopCounterMode is only the norms.
+    assert acc.macs - acc.matmul_macs == acc.macs_by_operator.get("layer_norm", 0)
+    assert set(acc.macs_by_operator) - MATMUL_OPS == {"layer_norm"}
+
+
+@pytest.mark.parametrize("fixture", ["vit_small", "dcvit_small"])
+def test_flop_counter_agrees_at_224(fixture, request):
+    model, acc = request.getfixturevalue(fixture)
+    assert acc.matmul_macs == flop_counter_macs(model)["total"]      # shapes only, on "meta"
+
+
+def test_module_table_collapses_blocks_and_keeps_overhead_rows():
+    model = timm.create_model("dcvit_tiny_patch16_224", **SMALL)
+    acc = account(model)
+    collapsed = {row["module"]: row for row in module_table(acc, max_depth=2)}
+    assert "blocks.*.attn.dynamic_weights" in collapsed            # deeper than 2, always shown
+    assert "blocks.*.attn.qkv" not in collapsed
+    full = {row["module"]: row for row in module_table(acc, collapse_blocks=False)}
+    for kind in ("dynamic_weights", "pre_compose", "post_compose"):
+        per_block = [full[f"blocks.{i}.attn.{kind}"] for i in range(SMALL["depth"])]
+        assert collapsed[f"blocks.*.attn.{kind}"]["macs"] == sum(r["macs"] for r in per_block)
+        assert collapsed[f"blocks.*.attn.{kind}"]["params"] == sum(r["params"] for r in per_block)
+    assert collapsed["(total)"]["macs"] == acc.macs == full["(total)"]["macs"]
+    top = [r for name, r in full.items() if name != "(total)" and "." not in name]
+    assert sum(r["macs"] for r in top) == acc.macs
+
+
+def test_unknown_ops_are_returned_not_dropped():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.sigmoid(self.fc(x)).cumsum(-1)
+
+    acc = account(Odd(), (3, 8))
+    assert acc.macs == 3 * 8 * 4
+    assert acc.skipped_ops == {"aten::sigmoid": 1, "aten::cumsum": 1}
+
+
+def test_account_restores_training_mode():
+    model = timm.create_model("vit_tiny_patch16_224", **SMALL).train()
+    account(model)
+    assert model.training
+    assert math.isclose(account(model).gmacs, account(model).macs / 1e9)
