@@ -1,0 +1,136 @@
+"""dcvit-report: the four files, results files, errors that name the bad input."""
+import csv
+import json
+
+import matplotlib.image
+import pytest
+import timm
+
+import dcvit  # noqa: F401  (registers the DCViT models)
+from dcvit.report import QUOTED, ModelSpec, main
+
+# A small configuration of the Ti models, so a report takes seconds.
+TINY = ["img_size=32", "patch_size=8", "depth=2"]
+TINY_KWARGS = dict(img_size=32, patch_size=8, depth=2)
+
+
+def run(args, capsys):
+    code = main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def n_params(name, **kwargs):
+    return sum(p.numel() for p in timm.create_model(name, **kwargs).parameters())
+
+
+def test_report_writes_four_valid_files(tmp_path, capsys):
+    out = tmp_path / "rep"
+    code, stdout, _ = run(["--models", "vit_tiny_patch16_224", "dcvit_tiny_patch16_224",
+                           "--model-kwargs", *TINY, "--detail", "--out", str(out)], capsys)
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["report.csv", "report.json", "report.md", "report.png"]
+
+    data = json.loads((out / "report.json").read_text())
+    rows = {r["model"]: r for r in data["rows"]}
+    assert set(rows) == {"vit_tiny_patch16_224", "dcvit_tiny_patch16_224"}
+    vit, dc = rows["vit_tiny_patch16_224"], rows["dcvit_tiny_patch16_224"]
+    assert vit["params"] == n_params("vit_tiny_patch16_224", **TINY_KWARGS)
+    assert dc["params"] == n_params("dcvit_tiny_patch16_224", **TINY_KWARGS)
+    assert dc["extra_params_pct"] == pytest.approx(100 * (dc["params"] / vit["params"] - 1), abs=1e-3)
+    assert dc["extra_macs_pct"] == pytest.approx(100 * (dc["macs"] / vit["macs"] - 1), abs=1e-3)
+    assert dc["extra_macs_pct"] > 0 and vit["extra_params_pct"] == vit["extra_macs_pct"] == 0
+    assert vit["input_size"] == [3, 32, 32] and dc["model_kwargs"] == TINY_KWARGS
+    assert "aten::softmax" in dc["skipped_ops"]
+    assert all("top1" not in r for r in data["rows"])
+    # Quoted numbers live apart from the measured rows.
+    assert [q["top1"] for q in data["quoted"]] == [q["top1"] for q in QUOTED]
+    assert all(q["kind"] == "quoted" for q in data["quoted"])
+    assert any(r["module"] == "blocks.*.attn.dynamic_weights"
+               for r in data["modules"]["dcvit_tiny_patch16_224(depth=2, img_size=32, patch_size=8)"])
+
+    with open(out / "report.csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    assert [int(r["params"]) for r in table] == [vit["params"], dc["params"]]
+    assert [int(r["macs"]) for r in table] == [vit["macs"], dc["macs"]]
+
+    md = (out / "report.md").read_text()
+    measured, quoted = md.split("## Quoted")
+    assert f"{dc['params']:,}" in measured and "80.1" not in measured
+    assert "80.1" in quoted and "dynamic_weights" in quoted.split("## Per module", 1)[1]
+    image = matplotlib.image.imread(out / "report.png")
+    assert image.ndim == 3 and image.shape[0] > 100
+    assert f"{dc['macs']:,}" in stdout
+
+
+def test_results_file_sets_the_configuration_and_accuracy(tmp_path, capsys):
+    results = tmp_path / "eval.json"
+    results.write_text(json.dumps({
+        "model": "dcvit_tiny_patch16_224", "top1": 91.25, "top5": 99.5, "num_samples": 360,
+        "model_kwargs": {"patch_size": 4, "depth": 2}, "img_size": 32, "num_classes": 10,
+        "dataset": "digits", "ema": False}))
+    out = tmp_path / "rep"
+    code, _, _ = run(["--results", str(results), "--throughput", "--throughput-batch", "2",
+                      "--out", str(out)], capsys)
+    assert code == 0
+    data = json.loads((out / "report.json").read_text())
+    [row] = data["rows"]
+    kwargs = dict(patch_size=4, depth=2, img_size=32, num_classes=10)
+    assert row["params"] == n_params("dcvit_tiny_patch16_224", **kwargs)
+    assert row["model_kwargs"] == kwargs and row["input_size"] == [3, 32, 32]
+    assert (row["top1"], row["top5"], row["num_samples"]) == (91.25, 99.5, 360)
+    assert row["results"] == str(results) and row["dataset"] == "digits"
+    assert row["baseline"] == "vit_tiny_patch16_224" and row["extra_params_pct"] > 0
+    assert row["throughput_img_s"] > 0
+    assert "91.25" in (out / "report.md").read_text().split("## Quoted")[0]
+
+
+def test_baseline_drops_dcmha_options_only():
+    spec = ModelSpec.of("dcvit_small", dict(rank=1, dcmha_layers=[0], img_size=32))
+    assert spec.baseline() == ModelSpec.of("vit_small_patch16_224", dict(img_size=32))
+    assert ModelSpec.of("vit_base_patch16_224").baseline() == ModelSpec.of("vit_base_patch16_224")
+
+
+def test_unknown_model_lists_close_matches(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--models", "dcvit_smal_patch16_224", "--out", str(tmp_path / "rep")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "'dcvit_smal_patch16_224'" in err and "dcvit_small_patch16_224" in err
+    assert "timm.list_models" in err
+    assert not (tmp_path / "rep").exists()
+
+
+@pytest.mark.parametrize("content", [None, "{not json", "[1, 2]", '{"top1": 50.0}', '{"model": "vit_tiny_patch16_224", "top1": 150}'])
+def test_unreadable_results_file_is_named(tmp_path, capsys, content):
+    path = tmp_path / "runs" / "eval.json"
+    if content is not None:
+        path.parent.mkdir()
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["--results", str(path), "--out", str(tmp_path / "rep")])
+    assert exc.value.code == 2
+    assert str(path) in capsys.readouterr().err
+
+
+def test_bad_model_kwargs_are_named(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--models", "dcvit_tiny_patch16_224", "--model-kwargs", "img_size", "--out", str(tmp_path)])
+    assert "'img_size'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--models", "dcvit_tiny_patch16_224", "--model-kwargs", "rnak=1", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "rnak" in err and "rank" in err
+
+
+@pytest.mark.slow
+def test_done_when_vit_small_and_dcvit_small(tmp_path, capsys):
+    """The issue's acceptance command at full size (about a minute on 2 cores)."""
+    code, _, _ = run(["--models", "vit_small_patch16_224", "dcvit_small_patch16_224",
+                      "--out", str(tmp_path)], capsys)
+    assert code == 0
+    rows = {r["model"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    vit, dc = rows["vit_small_patch16_224"], rows["dcvit_small_patch16_224"]
+    assert (vit["macs"], vit["params"]) == (4_608_338_304, 22_050_664)
+    assert dc["params"] == 22_631_272
+    assert 3.0 < dc["extra_macs_pct"] < 4.0
