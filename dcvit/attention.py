@@ -20,6 +20,7 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .compose import compose_unchecked
+from .fused import composed_attention, composed_attention_compile, compose_matrices, select_impl
 
 __all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
 
@@ -225,6 +226,9 @@ class DCMHA(nn.Module):
                              "dynamic_proj/dynamic_gate/static_proj (or use timm.layers.Attention)")
         self.pre_compose = Compose(num_heads, static_proj, **dd) if pre_on else None
         self.post_compose = Compose(num_heads, static_proj, **dd) if post_on else None
+        # Which attention core runs: "auto" (by device, dtype and context) or one of
+        # dcvit.fused.IMPLS to force it; `dcvit.fused.attention_impl(...)` overrides all layers.
+        self.attn_impl: str = "auto"
 
     def _slot(self, w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
               q_slot: int, k_slot: int) -> ComposeWeights:
@@ -259,6 +263,22 @@ class DCMHA(nn.Module):
         if self.dynamic_weights is not None:
             w1, w2, dd = self.dynamic_weights(x)
 
+        if torch.jit.is_scripting():
+            x = self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)   # (B, H, N, D)
+        else:
+            x = self._core(q, k, v, w1, w2, dd, attn_mask, is_causal)             # (B, H, N, D)
+
+        x = x.transpose(1, 2).reshape(B, N, C)
+        x = self.norm(x)
+        x = self.proj(x)
+        x = self.proj_drop(x)
+        return x
+
+    def _reference_core(self, q: Tensor, k: Tensor, v: Tensor, w1: Optional[Tensor],
+                        w2: Optional[Tensor], dd: Optional[Tensor], attn_mask: Optional[Tensor],
+                        is_causal: bool) -> Tensor:
+        """The paper's formulation through the `Compose` modules (hooks see every map)."""
+        N = q.shape[2]
         attn = (q * self.scale) @ k.transpose(-2, -1)                            # (B, H, N, N)
         if self.pre_compose is not None:
             qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.pre_q_slot, self.pre_k_slot)
@@ -269,13 +289,39 @@ class DCMHA(nn.Module):
             qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.post_q_slot, self.post_k_slot)
             attn = self.post_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
         attn = self.attn_drop(attn)
-        x = attn @ v                                                             # (B, H, N, D)
+        return attn @ v                                                          # (B, H, N, D)
 
-        x = x.transpose(1, 2).reshape(B, N, C)
-        x = self.norm(x)
-        x = self.proj(x)
-        x = self.proj_drop(x)
+    @torch.jit.unused
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, w1: Optional[Tensor], w2: Optional[Tensor],
+              dd: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
+        """The attention core chosen by `dcvit.fused.select_impl` (``self.attn_impl`` forces one)."""
+        impl = select_impl(self.attn_impl, q, self.training)
+        if impl == "reference" or (attn_mask is not None and attn_mask.requires_grad):
+            return self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
+        N = q.shape[2]
+        mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)               # additive or None
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        with torch.autocast(q.device.type, enabled=False):
+            pre = self._matrices(self.pre_compose, w1, w2, dd, self.pre_q_slot, self.pre_k_slot, dtype, q.device)
+            post = self._matrices(self.post_compose, w1, w2, dd, self.post_q_slot, self.post_k_slot, dtype, q.device)
+        dropout = self.training and self.attn_drop.p > 0
+        core_v = None if dropout else v
+        if impl == "compile":
+            x = composed_attention_compile(q * self.scale, k, core_v, mask, pre, post)
+        else:
+            x = composed_attention(q * self.scale, k, core_v, mask, pre, post, impl)
+        if dropout:
+            x = self.attn_drop(x) @ v                                            # (B, H, N, D)
         return x
+
+    @torch.jit.unused
+    def _matrices(self, stage: Optional[Compose], w1: Optional[Tensor], w2: Optional[Tensor],
+                  dd: Optional[Tensor], q_slot: int, k_slot: int, dtype: torch.dtype,
+                  device: torch.device) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        if stage is None:
+            return None, None
+        qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, q_slot, k_slot)
+        return compose_matrices(self.num_heads, qw1, qw2, kw1, kw2, qdd, kdd, stage.static, dtype, device)
 
     @torch.jit.unused
     def as_mha(self) -> Attention:

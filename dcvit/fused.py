@@ -1,0 +1,406 @@
+"""Fast attention cores for DCMHA: composed attention without one (B, H, T, S) tensor per term.
+
+Each Compose stage of SPEC §1.1 is, for query t and key s, one linear map of the heads::
+
+    compose(a)[b,h,t,s] = sum_g a[b,g,t,s] * (Mq[b,t,g,h] + Mk[b,s,g,h])
+    Mq[b,t] = I + W + qw1[b,t]^T qw2[b,t] + diag(qdd[b,t])      # (H, H)
+    Mk[b,s] =         kw1[b,s]^T kw2[b,s] + diag(kdd[b,s])      # (H, H)
+
+so the low-rank terms, gates, identity and static matrix of a side merge into one small
+per-token matrix (`compose_matrices`). The attention core
+``softmax(compose1(q k^T) + mask) -> compose2 -> @ v`` is then one autograd Function
+(`composed_attention`) that saves only q, k, v and the matrices and recomputes the
+(B, H, T, S) maps in backward, flash-style, row by row of all heads together:
+
+* ``"cpp"``:    rows in a C++/OpenMP kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64;
+* ``"triton"``: forward rows in a Triton kernel (`dcvit.kernels.compose_triton`), CUDA;
+* ``"torch"``:  the same maths in PyTorch ops, over chunks of queries (any device);
+* ``"compile"``: plain differentiable PyTorch written for inductor to fuse (used
+  automatically inside ``torch.compile``; no graph breaks);
+* ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
+  TorchScript and FX tracing use it).
+
+`select_impl` picks one by device, dtype and context; `attention_impl` forces one.
+"""
+import contextlib
+import os
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["IMPLS", "attention_impl", "select_impl", "compose_matrices", "mix",
+           "composed_attention", "composed_attention_compile"]
+
+IMPLS = ("auto", "reference", "torch", "cpp", "triton", "compile")
+
+_override: List[str] = []
+
+
+@contextlib.contextmanager
+def attention_impl(name: str) -> Iterator[None]:
+    """Force every DCMHA layer to the attention core ``name`` (one of `IMPLS`) in this block.
+
+    Takes precedence over each layer's ``attn_impl`` attribute. ``"auto"`` restores the
+    automatic choice inside an outer forced block.
+    """
+    _check_impl(name)
+    _override.append(name)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def _check_impl(name: str) -> None:
+    if name not in IMPLS:
+        raise ValueError(f"unknown DCMHA attention implementation {name!r}; choose one of {IMPLS}")
+
+
+def _is_fx_tracing() -> bool:
+    return torch.fx._symbolic_trace.is_fx_tracing()
+
+
+def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
+    """The attention core to run for input ``x``: forced (context, then layer) or automatic.
+
+    Automatic: FX tracing -> ``reference``; inside ``torch.compile`` -> ``compile``;
+    CUDA -> ``triton`` when Triton imports; CPU float32/float64/bfloat16 -> ``cpp`` when the
+    kernel builds; otherwise ``torch``.
+    """
+    name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
+    _check_impl(name)
+    if name != "auto":
+        return name
+    if _is_fx_tracing():
+        return "reference"
+    if torch.compiler.is_compiling():
+        return "compile"
+    if x.device.type == "cuda" and _triton_kernel() is not None:
+        return "triton"
+    if x.device.type == "cpu" and _cpp_kernel() is not None:
+        return "cpp"
+    return "torch"
+
+
+def _cpp_kernel():
+    from .kernels import compose_cpu
+    return compose_cpu.load()
+
+
+def _triton_kernel():
+    from .kernels import compose_triton
+    return compose_triton.load()
+
+
+# --------------------------------------------------------------------------- matrices
+
+def compose_matrices(num_heads: int,
+                     qw1: Optional[Tensor], qw2: Optional[Tensor],
+                     kw1: Optional[Tensor], kw2: Optional[Tensor],
+                     qdd: Optional[Tensor], kdd: Optional[Tensor],
+                     static: Optional[Tensor], dtype: torch.dtype,
+                     device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """Merge one Compose stage's arguments into per-token H×H matrices, in ``dtype``.
+
+    Returns ``mq`` (B, T, H, H), or (1, 1, H, H) without query-wise terms, holding the
+    identity, ``static`` and the query-wise terms; and ``mk`` (B, S, H, H) with the key-wise
+    terms, or None. Differentiable (autograd flows back to the dynamic weights).
+    """
+    mq = torch.eye(num_heads, dtype=dtype, device=device)                   # (H, H)
+    if static is not None:
+        mq = mq + static.to(dtype)
+    mq = mq.view(1, 1, num_heads, num_heads)
+    if qw1 is not None and qw2 is not None:
+        mq = mq + qw1.to(dtype).transpose(-1, -2) @ qw2.to(dtype)            # (B, T, H, H)
+    if qdd is not None:
+        mq = mq + torch.diag_embed(qdd.to(dtype))                            # (B, T, H, H)
+    mk: Optional[Tensor] = None
+    if kw1 is not None and kw2 is not None:
+        mk = kw1.to(dtype).transpose(-1, -2) @ kw2.to(dtype)                 # (B, S, H, H)
+    if kdd is not None:
+        gate = torch.diag_embed(kdd.to(dtype))                               # (B, S, H, H)
+        mk = gate if mk is None else mk + gate
+    return mq, mk
+
+
+def mix(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
+    """``out[b,h,t,s] = sum_g a[b,g,t,s] (mq[b,t,g,h] + mk[b,s,g,h])`` with batched matmuls.
+
+    a (B, H, T, S); mq (B|1, T|1, H, H); mk (B, S, H, H) or None.
+    """
+    B, H, T, S = a.shape
+    out = torch.einsum("bgts,btgh->bhts", a, mq.expand(B, T, H, H))          # (B, H, T, S)
+    if mk is not None:
+        out = out + torch.einsum("bgts,bsgh->bhts", a, mk)                   # (B, H, T, S)
+    return out
+
+
+def _mix_fusable(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
+    """`mix` as a sum over input heads of broadcast products: one loop nest for inductor."""
+    H = a.shape[1]
+    out = a.new_zeros(())
+    for g in range(H):
+        coef = mq[:, :, g, :].transpose(1, 2).unsqueeze(-1)                  # (B, H, T, 1)
+        if mk is not None:
+            coef = coef + mk[:, :, g, :].transpose(1, 2).unsqueeze(-2)       # (B, H, T, S)
+        out = out + a[:, g:g + 1] * coef                                     # (B, H, T, S)
+    return out
+
+
+# ------------------------------------------------------------------ rows, pure PyTorch
+
+Stage = Tuple[Optional[Tensor], Optional[Tensor]]
+
+
+def _chunks(t: int, b: int, h: int, s: int) -> List[Tuple[int, int]]:
+    """Query ranges whose (B, H, t, S) slice holds about 2 MiB of float32."""
+    step = max(1, (1 << 19) // max(1, b * h * s))
+    return [(i, min(t, i + step)) for i in range(0, t, step)]
+
+
+def _rows(m: Optional[Tensor], t0: int, t1: int) -> Optional[Tensor]:
+    return None if m is None else (m if m.shape[1] == 1 else m[:, t0:t1])
+
+
+def _rows_forward_torch(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
+    B, H, T, S = s0.shape
+    out = torch.empty_like(s0)
+    for t0, t1 in _chunks(T, B, H, S):
+        a = s0[:, :, t0:t1]                                                  # (B, H, t, S)
+        if pre[0] is not None:
+            a = mix(a, _rows(pre[0], t0, t1), pre[1])
+        if mask is not None:
+            a = a + mask[:, :, t0:t1]
+        p = a.softmax(dim=-1)
+        if post[0] is not None:
+            p = mix(p, _rows(post[0], t0, t1), post[1])
+        out[:, :, t0:t1] = p
+    return out
+
+
+def _mix_grads(a: Tensor, d: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    dmq = torch.einsum("bgts,bhts->btgh", a, d)                              # (B, t, H, H)
+    dmk = torch.einsum("bgts,bhts->bsgh", a, d) if mk is not None else None  # (B, S, H, H)
+    return dmq, dmk
+
+
+def _t(m: Tensor) -> Tensor:
+    return m.transpose(-1, -2)
+
+
+def _rows_backward_torch(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
+                         dp2: Tensor) -> Tuple[Tensor, Tensor, Stage, Stage]:
+    """Recompute the rows from s0 and back-propagate dp2: (p2, ds0, dpre, dpost)."""
+    B, H, T, S = s0.shape
+    p2, ds0 = torch.empty_like(s0), torch.empty_like(s0)
+    grads: List[Optional[Tensor]] = [None, None, None, None]                 # dmq1, dmk1, dmq2, dmk2
+    dmq_rows: List[List[Tensor]] = [[], []]
+
+    def accumulate(i: int, dmq: Tensor, dmk: Optional[Tensor]) -> None:
+        dmq_rows[i // 2].append(dmq)
+        if dmk is not None:
+            grads[i + 1] = dmk if grads[i + 1] is None else grads[i + 1] + dmk
+
+    for t0, t1 in _chunks(T, B, H, S):
+        a = s0[:, :, t0:t1]                                                  # (B, H, t, S)
+        mq1, mq2 = _rows(pre[0], t0, t1), _rows(post[0], t0, t1)
+        s1 = mix(a, mq1, pre[1]) if mq1 is not None else a
+        if mask is not None:
+            s1 = s1 + mask[:, :, t0:t1]
+        p = s1.softmax(dim=-1)                                               # (B, H, t, S)
+        d = dp2[:, :, t0:t1]
+        if mq2 is not None:
+            p2[:, :, t0:t1] = mix(p, mq2, post[1])
+            dmq, dmk = _mix_grads(p, d, mq2, post[1])
+            accumulate(2, dmq, dmk)
+            d = mix(d, _t(mq2), None if post[1] is None else _t(post[1]))
+        else:
+            p2[:, :, t0:t1] = p
+        d = p * (d - (p * d).sum(dim=-1, keepdim=True))                      # softmax backward
+        if mq1 is not None:
+            dmq, dmk = _mix_grads(a, d, mq1, pre[1])
+            accumulate(0, dmq, dmk)
+            d = mix(d, _t(mq1), None if pre[1] is None else _t(pre[1]))
+        ds0[:, :, t0:t1] = d
+    dmq1 = torch.cat(dmq_rows[0], dim=1) if dmq_rows[0] else None
+    dmq2 = torch.cat(dmq_rows[1], dim=1) if dmq_rows[1] else None
+    return p2, ds0, (dmq1, grads[1]), (dmq2, grads[3])
+
+
+# ------------------------------------------------------------------------ rows, C++
+
+def _ptr(t: Optional[Tensor]):
+    import ctypes
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
+
+
+def _cpp_operands(s0: Tensor, mask: Optional[Tensor], stage: Stage) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    B, H, T, S = s0.shape
+    mq, mk = stage
+    if mq is None:
+        return None, None
+    mq = mq.to(s0.dtype).expand(B, T, H, H).contiguous()                    # (B, T, H, H)
+    mk = None if mk is None else mk.to(s0.dtype).permute(0, 2, 3, 1).contiguous()  # (B, H, H, S)
+    return mq, mk
+
+
+def _mask_args(s0: Tensor, mask: Optional[Tensor]):
+    import ctypes
+    if mask is None:
+        return [ctypes.c_void_p(0)] + [ctypes.c_int64(0)] * 4
+    return [_ptr(mask)] + [ctypes.c_int64(st) for st in mask.stride()]
+
+
+def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
+    import ctypes
+    lib = _cpp_kernel()
+    B, H, T, S = s0.shape
+    mq1, mk1 = _cpp_operands(s0, mask, pre)
+    mq2, mk2 = _cpp_operands(s0, mask, post)
+    out = torch.empty_like(s0)
+    fn = lib.dcvit_rows_forward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_forward_f32
+    fn(_ptr(s0), _ptr(out), *_mask_args(s0, mask), _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2),
+       ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S),
+       ctypes.c_int(torch.get_num_threads()))
+    return out
+
+
+def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
+                       dp2: Tensor) -> Tuple[Tensor, Tensor, Stage, Stage]:
+    import ctypes
+    lib = _cpp_kernel()
+    B, H, T, S = s0.shape
+    n = torch.get_num_threads()
+    mq1, mk1 = _cpp_operands(s0, mask, pre)
+    mq2, mk2 = _cpp_operands(s0, mask, post)
+    p2, ds0 = torch.empty_like(s0), torch.empty_like(s0)
+    dmq1 = torch.empty_like(mq1) if mq1 is not None else None
+    dmq2 = torch.empty_like(mq2) if mq2 is not None else None
+    dmk1 = s0.new_zeros(n, B, H, H, S) if mk1 is not None else None
+    dmk2 = s0.new_zeros(n, B, H, H, S) if mk2 is not None else None
+    fn = lib.dcvit_rows_backward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_backward_f32
+    fn(_ptr(s0), _ptr(dp2), _ptr(p2), _ptr(ds0), *_mask_args(s0, mask),
+       _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2), _ptr(dmq1), _ptr(dmk1), _ptr(dmq2), _ptr(dmk2),
+       ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S), ctypes.c_int(n))
+
+    def key_grad(d: Optional[Tensor]) -> Optional[Tensor]:
+        return None if d is None else d.sum(0).permute(0, 3, 1, 2)          # (B, S, H, H)
+    return p2, ds0, (dmq1, key_grad(dmk1)), (dmq2, key_grad(dmk2))
+
+
+# -------------------------------------------------------------------- autograd Function
+
+def _reduce_to(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
+    """Sum a (B, T, H, H) gradient down to a broadcast input's shape, in its dtype."""
+    if grad is None or like is None:
+        return None
+    if grad.shape != like.shape:
+        dims = [i for i, (g, l) in enumerate(zip(grad.shape, like.shape)) if l == 1 and g != 1]
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.to(like.dtype)
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+class _ComposedAttention(torch.autograd.Function):
+    """(q, k, v, mask, mq1, mk1, mq2, mk2) -> compose2(softmax(compose1(q k^T) + mask)) @ v.
+
+    With ``v`` None it returns the composed weights (B, H, T, S) instead (for dropout
+    outside). Saves only its inputs; backward recomputes the maps row by row.
+    """
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
+                mk2: Optional[Tensor], backend: str) -> Tensor:
+        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2)
+        ctx.set_materialize_grads(False)
+        s0 = _scores(q, k)
+        if backend == "cpp":
+            p2 = _rows_forward_cpp(s0, _mask_to(mask, s0), (mq1, mk1), (mq2, mk2))
+        elif backend == "triton":
+            from .kernels import compose_triton
+            p2 = compose_triton.rows_forward(s0, _mask_to(mask, s0), (mq1, mk1), (mq2, mk2))
+        else:
+            p2 = _rows_forward_torch(s0, _mask_to(mask, s0), (mq1, mk1), (mq2, mk2))
+        if v is None:
+            return p2.to(q.dtype)
+        return p2.to(v.dtype) @ v                                            # (B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, mask, mq1, mk1, mq2, mk2 = ctx.saved_tensors
+        s0 = _scores(q, k)
+        if v is None:
+            dp2 = grad.to(s0.dtype).contiguous()
+        else:
+            dp2 = (grad @ v.transpose(-2, -1)).to(s0.dtype).contiguous()     # (B, H, T, S)
+        pre, post = (_cast(mq1, s0), _cast(mk1, s0)), (_cast(mq2, s0), _cast(mk2, s0))
+        if ctx.backend == "cpp":
+            p2, ds0, dpre, dpost = _rows_backward_cpp(s0, _mask_to(mask, s0), pre, post, dp2)
+        else:
+            p2, ds0, dpre, dpost = _rows_backward_torch(s0, _mask_to(mask, s0), pre, post, dp2)
+        dv = None
+        if v is not None:
+            dv = (p2.to(v.dtype).transpose(-2, -1) @ grad).to(v.dtype)      # (B, H, S, D)
+        ds0 = ds0.to(q.dtype)
+        dq = ds0 @ k                                                         # (B, H, T, D)
+        dk = ds0.transpose(-2, -1) @ q                                       # (B, H, S, D)
+        return (dq, dk, dv, None, _reduce_to(dpre[0], mq1), _reduce_to(dpre[1], mk1),
+                _reduce_to(dpost[0], mq2), _reduce_to(dpost[1], mk2), None)
+
+
+def _cast(m: Optional[Tensor], s0: Tensor) -> Optional[Tensor]:
+    return None if m is None else m.to(s0.dtype)
+
+
+def _scores(q: Tensor, k: Tensor) -> Tensor:
+    """Raw scores q k^T in the compute dtype (float32 for bf16/fp16 inputs), contiguous."""
+    with torch.autocast(q.device.type, enabled=False):
+        s0 = q @ k.transpose(-2, -1)                                         # (B, H, T, S)
+    return s0.to(_compute_dtype(q)).contiguous()
+
+
+def _mask_to(mask: Optional[Tensor], s0: Tensor) -> Optional[Tensor]:
+    """The additive mask as a (B, H, T, S)-broadcast view in s0's dtype (strides may be 0)."""
+    if mask is None:
+        return None
+    m = mask.to(s0.dtype)
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m.expand(s0.shape)
+
+
+def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                       pre: Stage, post: Stage, backend: str) -> Tensor:
+    """The DCMHA attention core with per-token compose matrices (see module docstring).
+
+    q (already scaled), k, v: (B, H, N, D); mask: additive, broadcast to (B, H, T, S), or
+    None; pre/post: ``(mq, mk)`` from `compose_matrices`, or ``(None, None)`` for an absent
+    stage; backend: ``"cpp"``, ``"triton"`` or ``"torch"``. Returns (B, H, T, D), or the
+    composed weights (B, H, T, S) when ``v`` is None.
+    """
+    if backend == "cpp" and q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        backend = "torch"
+    if backend == "cpp" and q.device.type != "cpu":
+        raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
+                         "use 'triton' or 'torch'")
+    return _ComposedAttention.apply(q, k, v, mask, pre[0], pre[1], post[0], post[1], backend)
+
+
+def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                               pre: Stage, post: Stage) -> Tensor:
+    """Plain differentiable form of `composed_attention` for ``torch.compile`` to fuse."""
+    a = q @ k.transpose(-2, -1)                                              # (B, H, T, S)
+    if pre[0] is not None:
+        a = _mix_fusable(a, pre[0].to(a.dtype), None if pre[1] is None else pre[1].to(a.dtype))
+    if mask is not None:
+        a = a + mask
+    a = a.softmax(dim=-1)
+    if post[0] is not None:
+        a = _mix_fusable(a, post[0].to(a.dtype), None if post[1] is None else post[1].to(a.dtype))
+    return a if v is None else a.to(v.dtype) @ v

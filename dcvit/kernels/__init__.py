@@ -1,0 +1,1 @@
+"""Compiled kernels behind `dcvit.fused`: C++/OpenMP on CPU, Triton on CUDA."""
