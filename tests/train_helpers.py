@@ -1,0 +1,65 @@
+"""Small real data for the training tests: scikit-learn's digits as 32x32 RGB images, written
+as WebDataset shards (with webdataset.TarWriter) or as an ImageFolder."""
+import io
+import os
+from typing import List, Sequence, Tuple
+
+import numpy as np
+from PIL import Image
+
+TINY_VIT = ("model_kwargs={img_size: 32, patch_size: 8, depth: 2, embed_dim: 48, num_heads: 3}")
+
+
+def digits(n: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+    """(images uint8 (N, 32, 32, 3), labels (N,)) from sklearn's bundled 8x8 digits."""
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = (d.images / 16.0 * 255).astype(np.uint8)                       # (N, 8, 8)
+    x = np.repeat(np.repeat(x, 4, axis=1), 4, axis=2)                  # (N, 32, 32)
+    x = np.stack([x, x, x], axis=-1)                                   # (N, 32, 32, 3)
+    if n:
+        x, y = x[:n], d.target[:n]
+    else:
+        y = d.target
+    return x, y.astype(np.int64)
+
+
+def png_bytes(img: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def write_shards(out: str, split: str, images: np.ndarray, labels: Sequence[int],
+                 per_shard: int, corrupt: Sequence[int] = ()) -> List[str]:
+    """Writes `out/<split>-000000.tar`, ...; samples whose index is in `corrupt` get bad bytes."""
+    import webdataset as wds
+    os.makedirs(out, exist_ok=True)
+    paths = []
+    for s, start in enumerate(range(0, len(labels), per_shard)):
+        path = os.path.join(out, f"{split}-{s:06d}.tar")
+        with wds.TarWriter(path) as sink:
+            for i in range(start, min(start + per_shard, len(labels))):
+                data = b"not an image" if i in corrupt else png_bytes(images[i])
+                sink.write({"__key__": f"{i:08d}", "png": data, "cls": str(int(labels[i])).encode()})
+        paths.append(path)
+    return paths
+
+
+def write_folder(out: str, images: np.ndarray, labels: Sequence[int]) -> str:
+    for i, (img, y) in enumerate(zip(images, labels)):
+        d = os.path.join(out, f"class_{int(y):02d}")
+        os.makedirs(d, exist_ok=True)
+        Image.fromarray(img).save(os.path.join(d, f"{i:05d}.png"))
+    return out
+
+
+def make_digits_shards(root: str, n_train: int = 256, n_val: int = 101,
+                       per_shard: int = 64) -> Tuple[str, str]:
+    """Train/val WebDataset shards of digits; returns the (train, val) brace patterns."""
+    x, y = digits()
+    write_shards(root, "train", x[:n_train], y[:n_train], per_shard)
+    write_shards(root, "val", x[n_train:n_train + n_val], y[n_train:n_train + n_val], per_shard)
+    n_tr, n_va = -(-n_train // per_shard), -(-n_val // per_shard)
+    return (os.path.join(root, f"train-{{000000..{n_tr - 1:06d}}}.tar"),
+            os.path.join(root, f"val-{{000000..{n_va - 1:06d}}}.tar"))

@@ -1,0 +1,319 @@
+"""Train or evaluate an image classifier on ImageNet-style data, under torchrun or alone.
+
+    python -m train_imagenet --config configs/quickstart.yaml [key=value ...]
+    torchrun --nproc_per_node=8 -m train_imagenet --config configs/deit300_dcvit_small.yaml
+    python -m train_imagenet --config ... --eval-only checkpoint=runs/x/ckpt-e0300-u00375300.pth
+
+The wiring only: config -> model -> data -> engine -> checkpoints/logs. Every check that can
+fail (data paths, sample counts, classes, checkpoint architecture) runs before training starts.
+"""
+import argparse
+import difflib
+import math
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from .checkpoint import (CheckpointError, capture_rng, check_arch, find_latest, load_checkpoint,
+                         load_model_weights, save_checkpoint)
+from .config import Config, ConfigError, config_to_dict, load_config, save_config
+from .data import DataError, DataPipe, build_data, count_samples, resolve_source
+from .distributed import DistInfo, all_gather_object, broadcast_object, init_distributed, shutdown
+from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
+from .logs import RunLog, write_json
+
+__all__ = ["main", "run"]
+
+CRASH_EXIT_CODE = 17
+
+
+def _log(info: DistInfo, msg: str) -> None:
+    if info.is_main:
+        print(f"[train_imagenet] {msg}", file=sys.stderr, flush=True)
+
+
+def _seed_all(seed: int) -> None:
+    import random
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_model(cfg: Config) -> torch.nn.Module:
+    """timm.create_model with the config's kwargs; dcvit_* names are registered first."""
+    import timm
+    import dcvit  # noqa: F401  (registers dcvit_* with timm)
+    kwargs = dict(cfg.model_kwargs)
+    if kwargs.pop("num_classes", cfg.data.num_classes) != cfg.data.num_classes:
+        raise ConfigError(f"model_kwargs.num_classes={cfg.model_kwargs['num_classes']} differs "
+                          f"from data.num_classes={cfg.data.num_classes}; drop it from model_kwargs")
+    if not timm.is_model(cfg.model):
+        close = difflib.get_close_matches(cfg.model, timm.list_models(), n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(f"model={cfg.model!r} is not a timm model{hint}")
+    try:
+        model = timm.create_model(cfg.model, num_classes=cfg.data.num_classes,
+                                  drop_path_rate=cfg.drop_path, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model={cfg.model!r} rejects model_kwargs={cfg.model_kwargs}: {e}") from e
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is not None and tuple(size) != (cfg.data.img_size, cfg.data.img_size) \
+            and not getattr(model.patch_embed, "dynamic_img_size", False):
+        raise ConfigError(f"model {cfg.model!r} is built for {tuple(size)} images but "
+                          f"data.img_size={cfg.data.img_size}; set model_kwargs.img_size="
+                          f"{cfg.data.img_size} (or data.img_size={size[0]})")
+    return model
+
+
+def _arch(cfg: Config) -> Dict[str, Any]:
+    return {"model": cfg.model, "model_kwargs": dict(cfg.model_kwargs),
+            "num_classes": cfg.data.num_classes}
+
+
+def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
+    """Sample/class counts, found once on rank 0 and shared with every rank."""
+    result: Any = None
+    if info.is_main:
+        try:
+            given = getattr(cfg.data, f"{split}_samples")
+            src = resolve_source(getattr(cfg.data, split), f"data.{split}")
+            result = {"num_samples": given, "num_classes": 0} if given else count_samples(src)
+        except DataError as e:
+            result = e
+    result = broadcast_object(result)
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) -> Dict[str, Any]:
+    return {"model": cfg.model, "top1": metrics["top1"], "top5": metrics["top5"],
+            "num_samples": metrics["num_samples"], "loss": metrics["loss"],
+            "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.data.img_size,
+            "num_classes": cfg.data.num_classes, "checkpoint": checkpoint, "ema": ema,
+            "val": cfg.data.val}
+
+
+def run(cfg: Config) -> int:
+    info = init_distributed(cfg.device)
+    device = info.device
+    if cfg.amp == "fp16" and device.type != "cuda":
+        raise ConfigError("amp=fp16 needs a CUDA device (it uses a GradScaler); use amp=bf16 on CPU")
+    run_dir = cfg.output_dir
+    os.makedirs(run_dir, exist_ok=True)
+
+    _seed_all(cfg.seed)  # the same initial weights on every rank and world size
+    model = build_model(cfg)
+    if cfg.data.mean is None or cfg.data.std is None:
+        pcfg = getattr(model, "pretrained_cfg", {}) or {}
+        cfg.data.mean = list(cfg.data.mean or pcfg.get("mean", (0.485, 0.456, 0.406)))
+        cfg.data.std = list(cfg.data.std or pcfg.get("std", (0.229, 0.224, 0.225)))
+    if info.is_main:
+        save_config(cfg, os.path.join(run_dir, "eval_config.yaml" if cfg.eval_only else "config.yaml"))
+
+    val = build_data(cfg, "val", info.rank, info.world_size, _counts(cfg, "val", info))
+    train = None if cfg.eval_only else build_data(cfg, "train", info.rank, info.world_size,
+                                                  _counts(cfg, "train", info))
+    model.to(device)
+    if cfg.eval_only:
+        return _evaluate_checkpoint(cfg, model, val, info)
+    return _train(cfg, model, train, val, info)
+
+
+def _evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info: DistInfo) -> int:
+    path = cfg.checkpoint or find_latest(cfg.output_dir)
+    if not path:
+        raise CheckpointError(f"eval_only needs checkpoint=PATH (no checkpoint in {cfg.output_dir!r})")
+    state = load_checkpoint(path)
+    weights = state["model"] if isinstance(state.get("model"), dict) else state  # or bare weights
+    check_arch(state, _arch(cfg), path)
+    load_model_weights(model, weights, path)
+    metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
+    if info.is_main:
+        write_json(os.path.join(cfg.output_dir, "eval.json"), _result(cfg, metrics, path, False))
+    _log(info, f"{path}: top1 {metrics['top1']:.2f} top5 {metrics['top5']:.2f} "
+               f"on {metrics['num_samples']} samples")
+    if state.get("ema") is not None:
+        load_model_weights(model, state["ema"], path, what="EMA")
+        metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
+        if info.is_main:
+            write_json(os.path.join(cfg.output_dir, "eval_ema.json"), _result(cfg, metrics, path, True))
+        _log(info, f"EMA: top1 {metrics['top1']:.2f} top5 {metrics['top5']:.2f}")
+    return 0
+
+
+def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
+           info: DistInfo) -> int:
+    from timm.data import Mixup
+    from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+    from timm.utils import ModelEmaV3
+
+    device, run_dir = info.device, cfg.output_dir
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
+    global_batch = cfg.batch_size * cfg.accum_steps * info.world_size
+    lr = cfg.optim.lr * (global_batch / cfg.optim.lr_batch_size if cfg.optim.lr_batch_size else 1.0)
+    opt_kwargs: Dict[str, Any] = {}
+    if cfg.optim.betas:
+        opt_kwargs["betas"] = tuple(cfg.optim.betas)
+    if cfg.optim.eps:
+        opt_kwargs["eps"] = cfg.optim.eps
+    optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
+                                    momentum=cfg.optim.momentum, **opt_kwargs)
+    updates_per_epoch = train.batches_per_epoch // cfg.accum_steps
+    scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched.sched, num_epochs=cfg.epochs,
+                                       warmup_epochs=cfg.sched.warmup_epochs,
+                                       warmup_lr=cfg.sched.warmup_lr, min_lr=cfg.sched.min_lr,
+                                       cooldown_epochs=cfg.sched.cooldown_epochs,
+                                       step_on_epochs=False, updates_per_epoch=updates_per_epoch)
+    scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
+    a = cfg.aug
+    mixup = None
+    if a.mixup > 0 or a.cutmix > 0:
+        mixup = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mixup_prob,
+                      switch_prob=a.mixup_switch_prob, mode=a.mixup_mode,
+                      label_smoothing=a.smoothing, num_classes=cfg.data.num_classes)
+        loss_fn = SoftTargetCrossEntropy()
+    elif a.smoothing > 0:
+        loss_fn = LabelSmoothingCrossEntropy(a.smoothing)
+    else:
+        loss_fn = torch.nn.CrossEntropyLoss()
+
+    # resume (or start from weights) before anything trains
+    epoch, start_batch, update, rng_state, resumed_from = 0, 0, 0, None, ""
+    path = find_latest(run_dir) if cfg.resume == "auto" else cfg.resume
+    if path:
+        state = load_checkpoint(path)
+        check_arch(state, _arch(cfg), path)
+        load_model_weights(model, state["model"], path)
+        if ema is not None and state.get("ema") is not None:
+            load_model_weights(ema.module, state["ema"], path, what="EMA")
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None and state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        epoch, start_batch, update = state["epoch"], state["batch"], state["update"]
+        rngs = state.get("rng") or []
+        if len(rngs) == info.world_size:
+            rng_state = rngs[info.rank]
+        else:
+            _log(info, f"checkpoint has RNG states of {len(rngs)} ranks, this run has "
+                       f"{info.world_size}: continuing with fresh RNG streams")
+        resumed_from = path
+        _log(info, f"resumed from {path} at epoch {epoch}, batch {start_batch}, update {update}")
+    elif cfg.checkpoint:
+        state = load_checkpoint(cfg.checkpoint)
+        check_arch(state, _arch(cfg), cfg.checkpoint)
+        load_model_weights(model, state.get("model", state), cfg.checkpoint)
+    if rng_state is None:
+        _seed_all(cfg.seed * 1000 + info.rank + 1 + epoch)
+    scheduler.step_update(update)
+
+    train_model: torch.nn.Module = model
+    if info.enabled:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[info.local_rank] if device.type == "cuda" else None)
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+
+    def state_dict(epoch_: int, batch_: int, update_: int) -> Optional[Dict[str, Any]]:
+        rngs = all_gather_object(capture_rng())  # collective: every rank calls it
+        if not info.is_main:
+            return None
+        return {"model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "scaler": scaler.state_dict() if scaler else None, "epoch": epoch_,
+                "batch": batch_, "update": update_, "rng": rngs, "arch": _arch(cfg),
+                "config": config_to_dict(cfg)}
+
+    def save(epoch_: int, batch_: int, update_: int) -> str:
+        state_ = state_dict(epoch_, batch_, update_)
+        return save_checkpoint(state_, run_dir, cfg.keep_checkpoints) if state_ is not None else ""
+
+    current_epoch = [epoch]
+
+    def on_update(batch_done: int, update_: int) -> None:
+        if cfg.save_every_steps and update_ % cfg.save_every_steps == 0 \
+                and batch_done < train.batches_per_epoch:
+            save(current_epoch[0], batch_done, update_)
+        if cfg.debug.crash_at_step == update_ and not resumed_from:
+            _log(info, f"debug.crash_at_step={update_}: exiting hard (simulated failure)")
+            os._exit(CRASH_EXIT_CODE)
+
+    runlog = RunLog(run_dir, info.is_main, cfg.tensorboard)
+    opts = StepOptions(accum_steps=cfg.accum_steps, clip_grad=cfg.optim.clip_grad,
+                       clip_mode=cfg.optim.clip_mode, amp=cfg.amp, nan_at_update=cfg.debug.nan_at_step,
+                       progress=info.is_main and sys.stderr.isatty(), log_every=cfg.log_every)
+    _log(info, f"{cfg.model}: {sum(p.numel() for p in model.parameters()):,} params, "
+               f"{train.num_samples} train / {val.num_samples} val samples, "
+               f"{train.batches_per_epoch} batches/epoch/rank, global batch {global_batch}, lr {lr:.3g}")
+    metrics: Dict[str, float] = {}
+    ema_metrics: Optional[Dict[str, float]] = None
+    last_path = resumed_from
+    for epoch in range(epoch, cfg.epochs):
+        current_epoch[0] = epoch
+        try:
+            stats = train_one_epoch(
+                train_model, train, epoch, optimizer=optimizer, scheduler=scheduler,
+                loss_fn=loss_fn, device=device, opts=opts, update=update, start_batch=start_batch,
+                rng_state=rng_state, mixup=mixup, ema=ema, scaler=scaler, on_update=on_update)
+        except NonFiniteLoss as e:
+            raise NonFiniteLoss(f"{e}. The last good checkpoint is "
+                                f"{find_latest(run_dir) or 'none (none was saved yet)'}") from e
+        update, start_batch, rng_state = stats.pop("updates"), 0, None
+        record: Dict[str, Any] = {"epoch": epoch, **stats}
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+            metrics = evaluate(model, val, cfg.data.num_classes, device, cfg.amp)
+            record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
+            if ema is not None:
+                ema_metrics = evaluate(ema.module, val, cfg.data.num_classes, device, cfg.amp)
+                record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
+        record["peak_mem_mb"] = peak_memory_mb(device)
+        total_skipped = sum(all_gather_object(record["corrupt_skipped"]))
+        record["corrupt_skipped"] = total_skipped
+        if total_skipped:
+            _log(info, f"epoch {epoch}: skipped {total_skipped} corrupt samples")
+        last_path = save(epoch + 1, 0, update) or last_path
+        runlog.epoch(record)
+        _log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in record.items()))
+    runlog.close()
+    if info.is_main and metrics:
+        write_json(os.path.join(run_dir, "eval.json"), _result(cfg, metrics, last_path, False))
+        if ema_metrics is not None:
+            write_json(os.path.join(run_dir, "eval_ema.json"), _result(cfg, ema_metrics, last_path, True))
+    return 0
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m train_imagenet", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML recipe (configs/*.yaml)")
+    p.add_argument("--eval-only", action="store_true", help="evaluate checkpoint=PATH and exit")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-3")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides + (["eval_only=true"] if args.eval_only else []))
+        return run(cfg)
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except (ConfigError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""One typed config: dataclasses, filled from a YAML file and dotted ``key=value`` overrides.
+
+    cfg = load_config("configs/quickstart.yaml", ["epochs=3", "optim.lr=1e-3",
+                                                  "model_kwargs={img_size: 32, patch_size: 4}"])
+
+Every key is declared below with its default; an unknown key (in the YAML or on the command
+line) is an error that names the closest known keys. Values are parsed as YAML and checked
+against the declared type. ``save_config`` writes the resolved config to the run directory.
+"""
+import dataclasses
+import difflib
+import os
+import tempfile
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "config_to_dict", "all_keys"]
+
+
+class ConfigError(ValueError):
+    """A bad config value or key; the message names the value and the fix."""
+
+
+@dataclass
+class DataConfig:
+    train: str = ""                  # WebDataset shards ('DIR/train-{000000..000099}.tar', a
+                                     # directory of .tar files) or an ImageFolder directory
+    val: str = ""
+    num_classes: int = 1000
+    img_size: int = 224
+    train_samples: Optional[int] = None   # samples in data.train; counted at start-up if unset
+    val_samples: Optional[int] = None
+    num_workers: int = 4                  # DataLoader workers per process
+    shuffle_buffer: int = 5000            # WebDataset sample shuffle buffer (per worker)
+    on_corrupt: str = "skip"              # 'skip' (count and go on) or 'fail'
+    mean: Optional[List[float]] = None    # default: the model's pretrained cfg
+    std: Optional[List[float]] = None
+    interpolation: str = "bicubic"
+    crop_pct: float = 0.875               # eval: resize to img_size / crop_pct, centre crop
+    pin_memory: bool = True
+
+
+@dataclass
+class AugConfig:
+    no_aug: bool = False                  # train with the eval transform (tests, debugging)
+    scale: List[float] = field(default_factory=lambda: [0.08, 1.0])
+    hflip: float = 0.5
+    color_jitter: float = 0.3
+    auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1"
+    reprob: float = 0.25                  # random erasing
+    remode: str = "pixel"
+    mixup: float = 0.8                    # mixup alpha (0 = off)
+    cutmix: float = 1.0                   # cutmix alpha (0 = off)
+    mixup_prob: float = 1.0
+    mixup_switch_prob: float = 0.5
+    mixup_mode: str = "batch"
+    smoothing: float = 0.1                # label smoothing
+    repeated_aug: int = 1                 # DeiT repeated augmentation (3 in the DeiT recipe)
+
+
+@dataclass
+class OptimConfig:
+    opt: str = "adamw"                    # any timm.optim name: adamw, lamb, sgd, ...
+    lr: float = 5e-4                      # learning rate at global batch `lr_batch_size`
+    lr_batch_size: Optional[int] = 512    # linear scaling reference; null = use lr as given
+    weight_decay: float = 0.05            # not applied to biases, norms, pos/cls tokens
+    betas: Optional[List[float]] = None
+    eps: Optional[float] = None
+    momentum: float = 0.9
+    clip_grad: Optional[float] = None     # gradient clipping (max norm); null = off
+    clip_mode: str = "norm"
+
+
+@dataclass
+class SchedConfig:
+    sched: str = "cosine"
+    warmup_epochs: float = 5
+    warmup_lr: float = 1e-6
+    min_lr: float = 1e-5
+    cooldown_epochs: int = 0
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = False
+    decay: float = 0.99996
+    warmup: bool = False
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection for tests of the recovery paths (leave at 0 in real runs)."""
+    crash_at_step: int = 0     # exit the process hard after this global update, once per run dir
+    nan_at_step: int = 0       # make the loss NaN at this global update
+
+
+@dataclass
+class Config:
+    model: str = "vit_small_patch16_224"  # any timm name; dcvit_* names exist (dcvit imported)
+    model_kwargs: Dict[str, Any] = field(default_factory=dict)   # extra timm.create_model kwargs
+    drop_path: float = 0.1
+    grad_checkpointing: bool = False
+    compile: bool = False
+    data: DataConfig = field(default_factory=DataConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    epochs: int = 300
+    batch_size: int = 128                 # per process
+    accum_steps: int = 1                  # gradient accumulation (micro-batches per update)
+    amp: str = "none"                     # 'none', 'bf16' (CPU and GPU) or 'fp16' (GPU)
+    device: str = "auto"                  # 'auto', 'cpu' or 'cuda'
+    output_dir: str = "runs/default"
+    seed: int = 0
+    resume: str = ""                      # 'auto' (latest valid checkpoint), a path, or ''
+    checkpoint: str = ""                  # weights to evaluate (eval_only) or to start from
+    eval_only: bool = False
+    eval_every: int = 1                   # epochs between evaluations (the last always runs)
+    save_every_steps: int = 0             # also checkpoint every N updates inside an epoch
+    keep_checkpoints: int = 2
+    log_every: int = 50                   # updates between progress-bar refreshes
+    tensorboard: bool = False
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def validate(self) -> "Config":
+        """Checks the values that have a fixed set of choices or a range."""
+        _choice("amp", self.amp, ("none", "bf16", "fp16"))
+        _choice("device", self.device, ("auto", "cpu", "cuda"))
+        _choice("data.on_corrupt", self.data.on_corrupt, ("skip", "fail"))
+        for key in ("epochs", "batch_size", "accum_steps", "data.num_classes", "data.img_size",
+                    "aug.repeated_aug", "eval_every", "keep_checkpoints", "log_every"):
+            if _get(self, key) < 1:
+                raise ConfigError(f"{key}={_get(self, key)!r} must be >= 1")
+        for key in ("data.num_workers", "data.shuffle_buffer", "save_every_steps"):
+            if _get(self, key) < 0:
+                raise ConfigError(f"{key}={_get(self, key)!r} must be >= 0")
+        if (self.aug.mixup > 0 or self.aug.cutmix > 0) and self.batch_size % 2:
+            raise ConfigError(f"batch_size={self.batch_size} must be even for mixup/cutmix "
+                              f"(timm.data.Mixup pairs samples); use {self.batch_size + 1} "
+                              f"or set aug.mixup=0 aug.cutmix=0")
+        if not isinstance(self.model_kwargs, dict):
+            raise ConfigError(f"model_kwargs={self.model_kwargs!r} must be a mapping, "
+                              f"e.g. model_kwargs='{{img_size: 32, patch_size: 4}}'")
+        return self
+
+
+def _choice(key: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> List[str]:
+    """Every dotted key of the config, e.g. ['model', ..., 'optim.lr', ...]."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type):
+            keys += all_keys(f.type, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=3, cutoff=0.6)
+    if not close:  # 'lr' -> 'optim.lr': match on the last component too
+        last = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        close = [last[c] for c in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(last), n=3)]
+    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Checks `value` against the declared type `tp` (ints are accepted as floats)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _coerce(key, value, next(a for a in args if a is not type(None)))
+    if tp is Any:
+        return value
+    if origin in (list, List):
+        if isinstance(value, tuple):
+            value = list(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} must be a list, e.g. {key}='[0.08, 1.0]'")
+        return [_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin in (dict, Dict):
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping, e.g. {key}='{{a: 1}}'")
+        return dict(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads '1e-3' as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if tp is str and value is None:
+        return ""
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}={value!r} must be of type {tp.__name__}")
+    return value
+
+
+def _apply(obj: Any, key: str, value: Any) -> None:
+    """Sets the dotted `key` of the dataclass tree `obj`; a mapping value recurses."""
+    parts = key.split(".")
+    target = obj
+    for i, part in enumerate(parts[:-1]):
+        if not dataclasses.is_dataclass(target) or part not in {f.name for f in dataclasses.fields(target)}:
+            raise _unknown(key)
+        target = getattr(target, part)
+    name = parts[-1]
+    fields = {f.name: f for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else {}
+    if name not in fields:
+        raise _unknown(key)
+    sub = getattr(target, name)
+    if dataclasses.is_dataclass(sub):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r} must be a mapping of {key}.* keys")
+        for k, v in value.items():
+            _apply(obj, f"{key}.{k}", v)
+        return
+    hints = typing.get_type_hints(type(target))
+    setattr(target, name, _coerce(key, value, hints[name]))
+
+
+def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
+    """The defaults, updated by the YAML file at `path`, then by `key=value` overrides."""
+    cfg = Config()
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path!r} must hold a mapping of keys, not {type(raw).__name__}")
+        for key, value in raw.items():
+            _apply(cfg, str(key), value)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.lr=1e-3)")
+        value = yaml.safe_load(text) if text.strip() else ""
+        _apply(cfg, key.strip(), value)
+    return cfg.validate()
+
+
+def config_to_dict(cfg: Config) -> Dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Writes the resolved config as YAML, atomically."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)

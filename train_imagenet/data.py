@@ -1,0 +1,406 @@
+"""Data: WebDataset shards (primary) or an ImageFolder, timm transforms, per-rank loaders.
+
+Shards are tar files of samples ``<key>.jpg|.png`` (image bytes) + ``<key>.cls`` (ASCII label),
+given as a brace pattern (``DIR/train-{000000..000099}.tar``), a directory of ``.tar`` files,
+or a single file. A directory without ``.tar`` files is read as an ImageFolder.
+
+Training streams are cut to a fixed number of samples per rank per epoch
+(``floor(num_samples / world) // batch_size`` full batches), so every rank runs the same
+number of steps and none waits at the end of an epoch. Shards are shuffled per epoch and
+dealt to (rank, worker) slots; each slot cycles over its shards through a shuffle buffer
+until it has produced its quota. Evaluation streams visit every sample exactly once across
+all ranks and workers (split by shard, or by sample index when there are fewer shards than
+slots) and never pad, so metrics are exact with an uneven last batch.
+
+All randomness of the data order comes from ``(seed, epoch, rank, worker)``: a run restarted
+mid-epoch replays the same batches. Every sample carries the number of corrupt samples
+skipped just before it, so the trainer can count them across workers.
+"""
+import io
+import json
+import os
+import random
+import tarfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import braceexpand
+import torch
+from webdataset.tariterators import tarfile_samples
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from timm.data import create_transform
+from timm.data.distributed_sampler import RepeatAugSampler
+
+from .config import Config
+
+__all__ = ["DataError", "Source", "resolve_source", "count_samples", "build_transform",
+           "ShardStream", "DataPipe", "build_data"]
+
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+def _patch_posterize() -> None:
+    """Pillow >= 13 rejects ImageOps.posterize(img, 0), which timm's RandAugment asks for at
+    magnitude 10 ('rand-m9-mstd0.5' reaches it). Keeping 0 bits gives a black image, as older
+    Pillow did; the op table is patched only when this Pillow raises."""
+    from PIL import ImageOps
+    from timm.data import auto_augment
+    try:
+        ImageOps.posterize(Image.new("RGB", (1, 1)), 0)
+        return
+    except ValueError:
+        pass
+    original = auto_augment.posterize
+
+    def posterize(img, bits_to_keep, **kwargs):
+        if bits_to_keep <= 0:
+            return Image.new(img.mode, img.size)
+        return original(img, bits_to_keep, **kwargs)
+
+    for name, fn in list(auto_augment.NAME_TO_OP.items()):
+        if fn is original:
+            auto_augment.NAME_TO_OP[name] = posterize
+
+
+_patch_posterize()
+
+
+class DataError(ValueError):
+    """Missing, empty or inconsistent data; the message names the path and the fix."""
+
+
+@dataclass
+class Source:
+    kind: str                                         # 'wds' or 'folder'
+    shards: List[str] = field(default_factory=list)   # wds: the tar files, in order
+    root: str = ""                                    # folder: the ImageFolder root
+
+
+def resolve_source(spec: str, key: str) -> Source:
+    """Turns `data.train`/`data.val` into a list of existing shards or an ImageFolder root."""
+    if not spec:
+        raise DataError(f"{key} is empty; set {key}=DIR/train-{{000000..000009}}.tar "
+                        f"(WebDataset shards) or {key}=IMAGEFOLDER_ROOT")
+    if os.path.isdir(spec):
+        tars = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.endswith(".tar"))
+        if tars:
+            return Source("wds", shards=tars)
+        if any(os.path.isdir(os.path.join(spec, n)) for n in os.listdir(spec)):
+            return Source("folder", root=spec)
+        raise DataError(f"{key}={spec!r} is a directory with neither .tar shards nor class "
+                        f"sub-folders; write shards with scripts/make_wds_shards.py")
+    shards = list(braceexpand.braceexpand(spec))
+    if any(_is_remote(s) for s in shards):
+        return Source("wds", shards=shards)  # not checked here; set data.*_samples
+    missing = [s for s in shards if not os.path.isfile(s)]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise DataError(f"{key}={spec!r}: {len(missing)} of {len(shards)} shards are missing "
+                        f"({', '.join(missing[:3])}{more}); check the path and the brace range")
+    return Source("wds", shards=shards)
+
+
+def _is_remote(url: str) -> bool:
+    return url.startswith("pipe:") or "://" in url
+
+
+def _split_key(name: str) -> Tuple[str, str]:
+    """WebDataset convention: 'dir/abc.seg.jpg' -> ('dir/abc', 'seg.jpg')."""
+    base = os.path.basename(name)
+    stem, _, ext = base.partition(".")
+    return os.path.join(os.path.dirname(name), stem), ext.lower()
+
+
+def _metadata(shards: List[str]) -> Optional[Dict[str, Any]]:
+    """`DIR/<split>.json` written next to the shards, if it describes exactly these shards."""
+    first = shards[0]
+    path = os.path.join(os.path.dirname(first), os.path.basename(first).split("-")[0] + ".json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    listed = meta.get("shards")
+    if listed is not None and sorted(os.path.basename(s) for s in listed) != sorted(
+            os.path.basename(s) for s in shards):
+        return None
+    return meta if isinstance(meta.get("num_samples"), int) else None
+
+
+def count_samples(source: Source) -> Dict[str, int]:
+    """{'num_samples', 'num_classes'} of a source: from shard metadata when present, else by
+    listing tar members (headers and the small .cls members only) or the ImageFolder."""
+    if source.kind == "folder":
+        from torchvision.datasets import ImageFolder
+        ds = ImageFolder(source.root)
+        return {"num_samples": len(ds), "num_classes": len(ds.classes), "classes_exact": 1}
+    if any(_is_remote(s) for s in source.shards):
+        raise DataError(f"cannot count the samples of remote shards ({source.shards[0]!r}, ...); "
+                        f"set data.train_samples / data.val_samples")
+    meta = _metadata(source.shards)
+    if meta is not None:
+        return {"num_samples": meta["num_samples"], "num_classes": int(meta.get("num_classes", 0)),
+                "classes_exact": int("num_classes" in meta)}
+    total, max_label = 0, -1
+    for shard in source.shards:
+        try:
+            with tarfile.open(shard) as tar:
+                keys_with_image, labels = set(), {}
+                for m in tar:
+                    if not m.isfile():
+                        continue
+                    key, ext = _split_key(m.name)
+                    if ext == "cls":
+                        labels[key] = tar.extractfile(m).read()
+                    elif ext in IMAGE_EXTS:
+                        keys_with_image.add(key)
+        except (tarfile.TarError, OSError) as e:
+            raise DataError(f"shard {shard!r} is not a readable tar file ({e}); "
+                            f"re-write it with scripts/make_wds_shards.py") from e
+        for key in keys_with_image & set(labels):
+            total += 1
+            try:
+                max_label = max(max_label, int(labels[key]))
+            except ValueError:
+                pass
+    return {"num_samples": total, "num_classes": max_label + 1, "classes_exact": 0}
+
+
+def build_transform(cfg: Config, training: bool) -> Callable:
+    """timm's transforms: RandAugment, random erasing, random-resized crop; eval centre crop."""
+    d, a = cfg.data, cfg.aug
+    common = dict(input_size=d.img_size, interpolation=d.interpolation,
+                  mean=tuple(d.mean), std=tuple(d.std), crop_pct=d.crop_pct)
+    if not training or a.no_aug:
+        return create_transform(is_training=False, **common)
+    return create_transform(is_training=True, scale=tuple(a.scale), hflip=a.hflip,
+                            color_jitter=a.color_jitter, auto_augment=a.auto_augment or None,
+                            re_prob=a.reprob, re_mode=a.remode, **common)
+
+
+def _seed(*parts: int) -> random.Random:
+    return random.Random("-".join(str(p) for p in parts))
+
+
+def _decode(sample: Dict[str, Any]) -> Tuple[Image.Image, int]:
+    img = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
+    if img is None:
+        raise ValueError(f"no image member ({'/'.join(IMAGE_EXTS)}) in sample")
+    if "cls" not in sample:
+        raise ValueError("no .cls member in sample")
+    label = int(sample["cls"])
+    with Image.open(io.BytesIO(img)) as im:
+        return im.convert("RGB"), label
+
+
+def _read_tar(shard: str) -> Iterator[Dict[str, Any]]:
+    """Samples of one shard as {'__key__', ext: bytes} (WebDataset's tar reader; any URL
+    webdataset.gopen opens works, e.g. 'pipe:curl -s URL')."""
+    yield from tarfile_samples([{"url": shard}])
+
+
+class ShardStream(IterableDataset):
+    """A WebDataset-style stream of (image, label, skipped) from tar shards for one rank.
+
+    `quota` (training) is the number of samples this rank yields per epoch; None (evaluation)
+    yields this rank's share of every sample exactly once.
+    """
+
+    def __init__(self, shards: List[str], transform: Callable, *, rank: int, world_size: int,
+                 seed: int, quota: Optional[int] = None, batch_size: int = 1,
+                 shuffle_buffer: int = 0, repeats: int = 1, on_corrupt: str = "skip"):
+        self.shards, self.transform = list(shards), transform
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.quota, self.batch_size = quota, batch_size
+        self.shuffle_buffer, self.repeats, self.on_corrupt = shuffle_buffer, repeats, on_corrupt
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _worker(self) -> Tuple[int, int]:
+        info = torch.utils.data.get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def __iter__(self) -> Iterator[Tuple[Any, int, int]]:
+        wid, nw = self._worker()
+        raw = self._train_samples(wid, nw) if self.quota is not None else self._eval_samples(wid, nw)
+        skipped = 0
+        for sample in raw:
+            try:
+                img, label = _decode(sample)
+            except Exception as e:  # PIL raises many types for broken files
+                if self.on_corrupt == "fail":
+                    raise DataError(f"corrupt sample {sample.get('__key__')!r}: {e} "
+                                    f"(set data.on_corrupt=skip to skip and count such samples)") from e
+                skipped += 1
+                continue
+            yield self.transform(img), label, skipped
+            skipped = 0
+
+    def _eval_samples(self, wid: int, nw: int) -> Iterator[Dict[str, Any]]:
+        slot, nslots = self.rank * nw + wid, self.world_size * nw
+        if len(self.shards) >= nslots:  # whole shards per slot
+            for shard in self.shards[slot::nslots]:
+                yield from _read_tar(shard)
+            return
+        index = 0  # fewer shards than slots: every slot reads all, keeps every nslots-th sample
+        for shard in self.shards:
+            for sample in _read_tar(shard):
+                if index % nslots == slot:
+                    yield sample
+                index += 1
+
+    def _train_samples(self, wid: int, nw: int) -> Iterator[Dict[str, Any]]:
+        slot, nslots = self.rank * nw + wid, self.world_size * nw
+        # this worker's share of the rank's batches, in whole batches
+        batches = self.quota // self.batch_size
+        quota = (batches // nw + (wid < batches % nw)) * self.batch_size
+        if quota == 0:
+            return
+        order = list(self.shards)
+        _seed(self.seed, self.epoch).shuffle(order)  # same deal on every slot
+        while len(order) < nslots:
+            order += order
+        mine = order[slot::nslots]
+        rng = _seed(self.seed, self.epoch, slot)
+        buffer: List[Dict[str, Any]] = []
+
+        def cycle() -> Iterator[Dict[str, Any]]:
+            while True:
+                rng.shuffle(mine)
+                for shard in mine:
+                    for sample in _read_tar(shard):
+                        for _ in range(self.repeats):
+                            yield sample
+
+        produced = 0
+        for sample in cycle():
+            if self.shuffle_buffer <= 1:
+                out = sample
+            else:
+                buffer.append(sample)
+                if len(buffer) < self.shuffle_buffer:
+                    continue
+                j = rng.randrange(len(buffer))
+                buffer[j], buffer[-1] = buffer[-1], buffer[j]
+                out = buffer.pop()
+            yield out
+            produced += 1
+            if produced >= quota:  # corrupt samples are replaced from the stream below
+                return
+
+
+class FolderDataset(Dataset):
+    """torchvision's ImageFolder that returns (image, label, skipped) and can skip corrupt files."""
+
+    def __init__(self, root: str, transform: Callable, on_corrupt: str = "skip"):
+        from torchvision.datasets import ImageFolder
+        self.folder = ImageFolder(root)
+        self.transform, self.on_corrupt = transform, on_corrupt
+
+    def __len__(self) -> int:
+        return len(self.folder)
+
+    def __getitem__(self, i: int) -> Optional[Tuple[Any, int, int]]:
+        path, label = self.folder.samples[i]
+        try:
+            with Image.open(path) as im:
+                img = im.convert("RGB")
+        except Exception as e:
+            if self.on_corrupt == "fail":
+                raise DataError(f"corrupt image {path!r}: {e} (set data.on_corrupt=skip)") from e
+            return None
+        return self.transform(img), label, 0
+
+
+def _collate(batch: List[Optional[Tuple[Any, int, int]]]) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    kept = [b for b in batch if b is not None]
+    skipped = len(batch) - len(kept) + sum(b[2] for b in kept)
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), skipped
+    return (torch.stack([b[0] for b in kept]), torch.tensor([b[1] for b in kept]), skipped)
+
+
+class DataPipe:
+    """The loader of one split for one rank: `loader(epoch)` is a fresh, seeded DataLoader."""
+
+    def __init__(self, dataset: Any, *, training: bool, batch_size: int, num_workers: int,
+                 pin_memory: bool, seed: int, rank: int, world_size: int, num_samples: int,
+                 batches_per_epoch: int, sampler_fn: Optional[Callable[[int], Any]] = None):
+        self.dataset, self.training = dataset, training
+        self.batch_size, self.num_workers, self.pin_memory = batch_size, num_workers, pin_memory
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.num_samples, self.batches_per_epoch = num_samples, batches_per_epoch
+        self.sampler_fn = sampler_fn
+
+    def loader(self, epoch: int = 0) -> DataLoader:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+        gen = torch.Generator().manual_seed(_seed(self.seed, epoch, self.rank).getrandbits(62))
+        sampler = self.sampler_fn(epoch) if self.sampler_fn else None
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=sampler,
+                          num_workers=self.num_workers,
+                          pin_memory=self.pin_memory and torch.cuda.is_available(),
+                          drop_last=self.training and sampler is not None, generator=gen,
+                          collate_fn=_collate, persistent_workers=False)
+
+
+def build_data(cfg: Config, split: str, rank: int = 0, world_size: int = 1,
+               counts: Optional[Dict[str, int]] = None) -> DataPipe:
+    """The DataPipe for `split` ('train' or 'val'); `counts` as from `count_samples`."""
+    training = split == "train"
+    key = f"data.{split}"
+    source = resolve_source(getattr(cfg.data, split), key)
+    given = cfg.data.train_samples if training else cfg.data.val_samples
+    if counts is None:
+        counts = {"num_samples": given, "num_classes": 0} if given else count_samples(source)
+    num_samples = given or counts["num_samples"]
+    if num_samples <= 0:
+        raise DataError(f"{key}={getattr(cfg.data, split)!r} holds no samples "
+                        f"(each needs an image .jpg/.png and a .cls label)")
+    found = counts.get("num_classes", 0)
+    if found > cfg.data.num_classes or (counts.get("classes_exact") and found != cfg.data.num_classes):
+        raise DataError(f"{key} has {found} classes (labels 0..{found - 1}) but "
+                        f"data.num_classes={cfg.data.num_classes}; set data.num_classes={found}")
+    transform = build_transform(cfg, training)
+    b, accum = cfg.batch_size, cfg.accum_steps
+    common = dict(training=training, batch_size=b, num_workers=cfg.data.num_workers,
+                  pin_memory=cfg.data.pin_memory, seed=cfg.seed, rank=rank,
+                  world_size=world_size, num_samples=num_samples)
+    if training:
+        per_rank = num_samples // world_size
+        batches = (per_rank // (b * accum)) * accum
+        if batches == 0:
+            raise DataError(f"{key} has {num_samples} samples, fewer than one update needs "
+                            f"(batch_size {b} x accum_steps {accum} x {world_size} processes); "
+                            f"lower batch_size")
+    else:
+        batches = -(-num_samples // (b * world_size))  # an upper bound; evaluation runs to the end
+    if source.kind == "wds":
+        ds = ShardStream(source.shards, transform, rank=rank, world_size=world_size,
+                         seed=cfg.seed, quota=batches * b if training else None, batch_size=b,
+                         shuffle_buffer=cfg.data.shuffle_buffer if training else 0,
+                         repeats=cfg.aug.repeated_aug if training else 1,
+                         on_corrupt=cfg.data.on_corrupt)
+        return DataPipe(ds, batches_per_epoch=batches, **common)
+    ds = FolderDataset(source.root, transform, cfg.data.on_corrupt)
+    n = len(ds)
+    if training:
+        def sampler_fn(epoch: int):
+            if cfg.aug.repeated_aug > 1:
+                s = RepeatAugSampler(ds, num_replicas=world_size, rank=rank, shuffle=True,
+                                     num_repeats=cfg.aug.repeated_aug)
+            else:
+                s = torch.utils.data.DistributedSampler(ds, num_replicas=world_size, rank=rank,
+                                                        shuffle=True, seed=cfg.seed, drop_last=True)
+            s.set_epoch(epoch)
+            return s
+        batches = (len(sampler_fn(0)) // (b * accum)) * accum  # RepeatAugSampler selects fewer
+    else:
+        def sampler_fn(epoch: int):
+            return list(range(rank, n, world_size))  # every sample once, no padding
+    return DataPipe(ds, batches_per_epoch=batches, sampler_fn=sampler_fn, **common)

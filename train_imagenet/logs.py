@@ -1,0 +1,60 @@
+"""Run logs on rank 0: per-epoch JSON lines (`log.jsonl`), a CSV summary (`summary.csv`),
+optional TensorBoard scalars, and atomic JSON result files (`eval.json`)."""
+import csv
+import json
+import os
+import tempfile
+from typing import Any, Dict, Optional
+
+__all__ = ["RunLog", "write_json"]
+
+CSV_FIELDS = ["epoch", "train_loss", "lr", "top1", "top5", "val_loss", "ema_top1", "ema_top5",
+              "img_per_s", "epoch_time_s", "peak_mem_mb", "corrupt_skipped"]
+
+
+def write_json(path: str, data: Dict[str, Any]) -> None:
+    """Writes `data` as indented JSON, atomically (temp file + rename)."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+class RunLog:
+    """Appends one record per epoch; a no-op object on ranks other than 0."""
+
+    def __init__(self, run_dir: str, enabled: bool = True, tensorboard: bool = False):
+        self.run_dir, self.enabled = run_dir, enabled
+        self.tb: Optional[Any] = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("tensorboard=true needs the tensorboard package: "
+                                  "pip install 'dcvit[tensorboard]' (or set tensorboard=false)") from e
+            self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+
+    def epoch(self, record: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with open(os.path.join(self.run_dir, "log.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        path = os.path.join(self.run_dir, "summary.csv")
+        new = not os.path.exists(path)
+        with open(path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+            if new:
+                w.writeheader()
+            w.writerow({k: record.get(k, "") for k in CSV_FIELDS})
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "epoch":
+                    self.tb.add_scalar(k, v, record["epoch"])
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
