@@ -15,7 +15,6 @@ never imports the trainer. The paper's ImageNet numbers are listed apart, as quo
 import argparse
 import ast
 import csv
-import dataclasses
 import difflib
 import io
 import json
@@ -80,7 +79,9 @@ class ModelSpec:
 
     @classmethod
     def of(cls, name: str, kwargs: Optional[Dict[str, Any]] = None) -> "ModelSpec":
-        return cls(name, tuple(sorted((kwargs or {}).items(), key=lambda kv: kv[0])))
+        def freeze(value: Any) -> Any:  # lists (dcmha_layers=[0, 1]) become hashable tuples
+            return tuple(freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
+        return cls(name, tuple(sorted((k, freeze(v)) for k, v in (kwargs or {}).items())))
 
     @property
     def kwargs_dict(self) -> Dict[str, Any]:

@@ -88,6 +88,7 @@ def test_results_file_sets_the_configuration_and_accuracy(tmp_path, capsys):
 def test_baseline_drops_dcmha_options_only():
     spec = ModelSpec.of("dcvit_small", dict(rank=1, dcmha_layers=[0], img_size=32))
     assert spec.baseline() == ModelSpec.of("vit_small_patch16_224", dict(img_size=32))
+    assert {spec: 1}[ModelSpec.of("dcvit_small", dict(img_size=32, dcmha_layers=[0], rank=1))] == 1
     assert ModelSpec.of("vit_base_patch16_224").baseline() == ModelSpec.of("vit_base_patch16_224")
 
 
