@@ -2,7 +2,7 @@
 """Per-head attention maps of one image, before and after DCMHA's post-compose, as a PNG.
 
     python scripts/attention_maps.py --model dcvit_tiny --out maps.png
-    python scripts/attention_maps.py --checkpoint runs/qs/dcvit/checkpoint.pth --digit 7 --out maps.png
+    python scripts/attention_maps.py --checkpoint RUN_DIR/ckpt-e0015-u00000345.pth --digit 7 --out maps.png
     python scripts/attention_maps.py --model dcvit_small --image cat.jpg --layer 5 --query 0 --out maps.png
 
 Rows of the figure: the attention weights of one query token (default: CLS) over the patch
@@ -11,10 +11,13 @@ after it (what DCMHA actually uses), and their difference. The first column is t
 
 Without ``--image`` the input is a scikit-learn digit (``--digit INDEX``), upscaled. With
 ``--checkpoint`` the model name and ``model_kwargs`` come from a ``config.yaml`` beside the
-checkpoint when present (as written by ``python -m train_imagenet``); ``--model`` and
-``--model-kwargs key=value ...`` override them. ``num_classes`` is read off the checkpoint's
-classifier. Weights load with ``dcvit.load_weights`` (``.safetensors``, or ``.pth`` read with
-``weights_only=True``); a plain ViT checkpoint loads too, its DCMHA weights left at init.
+checkpoint when present (as written by ``python -m train_imagenet``; else from the
+checkpoint's own ``arch`` entry); ``--model`` and ``--model-kwargs key=value ...`` override
+them. ``num_classes`` defaults to the size of the checkpoint's classifier, the input
+normalisation to the run's ``data.mean``/``data.std``; ``--ema`` takes a training
+checkpoint's EMA weights. Weights load with ``dcvit.load_weights`` (``.safetensors``, or
+``.pth`` read with ``weights_only=True``); a plain ViT checkpoint loads too, its DCMHA
+weights left at their initialisation.
 """
 import argparse
 import os
@@ -34,7 +37,7 @@ import dcvit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prepare_digits import digit_image  # noqa: E402
 
-__all__ = ["parse_model_kwargs", "resolve_model", "build_model", "load_image", "query_maps",
+__all__ = ["parse_model_kwargs", "read_run_config", "resolve_model", "build_model", "load_image", "query_maps",
            "plot_maps", "figure_size", "main"]
 
 CELL_INCHES = 1.7
@@ -60,41 +63,80 @@ def _unwrap(state: Dict[str, Any]) -> Dict[str, Any]:
     return state
 
 
-def resolve_model(model: Optional[str], model_kwargs: Dict[str, Any],
-                  checkpoint: Optional[Path]) -> Tuple[str, Dict[str, Any]]:
-    """The timm name and kwargs: ``config.yaml`` beside the checkpoint, then the flags."""
+def read_run_config(checkpoint: Path, state: Dict[str, Any]) -> Dict[str, Any]:
+    """What the run that wrote ``checkpoint`` says about its model and input normalisation.
+
+    From ``config.yaml`` beside the checkpoint (``model``, ``model_kwargs``,
+    ``data.num_classes``, ``data.mean``, ``data.std``), else from the checkpoint's ``arch``
+    entry (``python -m train_imagenet`` writes both); ``{}`` when there is neither.
+    """
+    config = checkpoint.parent / "config.yaml"
+    if config.is_file():
+        cfg = yaml.safe_load(config.read_text()) or {}
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{config} does not hold a YAML mapping")
+        data = cfg.get("data") or {}
+        out = {"source": str(config), "model": cfg.get("model"),
+               "model_kwargs": dict(cfg.get("model_kwargs") or {}),
+               "num_classes": data.get("num_classes"), "mean": data.get("mean"), "std": data.get("std")}
+    elif isinstance(state.get("arch"), dict):
+        arch = state["arch"]
+        out = {"source": f"{checkpoint} (arch)", "model": arch.get("model"),
+               "model_kwargs": dict(arch.get("model_kwargs") or {}), "num_classes": arch.get("num_classes")}
+    else:
+        return {}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def resolve_model(model: Optional[str], model_kwargs: Dict[str, Any], checkpoint: Optional[Path],
+                  state: Optional[Dict[str, Any]] = None) -> Tuple[str, Dict[str, Any]]:
+    """The timm name and kwargs: the run's config (`read_run_config`), then the flags.
+
+    ``num_classes`` defaults to the size of the checkpoint's classifier.
+    """
     name, kwargs = None, {}
     if checkpoint is not None:
-        config = checkpoint.parent / "config.yaml"
-        if config.is_file():
-            cfg = yaml.safe_load(config.read_text()) or {}
-            if not isinstance(cfg, dict):
-                raise ValueError(f"{config} does not hold a mapping")
-            name = cfg.get("model")
-            kwargs = dict(cfg.get("model_kwargs") or {})
-            num_classes = (cfg.get("data") or {}).get("num_classes")
-            if num_classes is not None and "num_classes" not in kwargs:
-                kwargs["num_classes"] = num_classes
-            print(f"model from {config}: {name} {kwargs}")
-        state = _unwrap(dcvit.read_state_dict(checkpoint))
-        head = state.get("head.weight")
-        if head is not None and "num_classes" not in model_kwargs:
-            kwargs["num_classes"] = int(head.shape[0])
+        state = dcvit.read_state_dict(checkpoint) if state is None else state
+        run = read_run_config(checkpoint, state)
+        name, kwargs = run.get("model"), dict(run.get("model_kwargs", {}))
+        if "num_classes" in run:
+            kwargs.setdefault("num_classes", run["num_classes"])
+        head = _unwrap(state).get("head.weight")
+        if head is not None:
+            kwargs.setdefault("num_classes", int(head.shape[0]))
+        if run:
+            print(f"model from {run['source']}: {name} {kwargs}")
     name = model or name or "dcvit_tiny"
     return name, {**kwargs, **model_kwargs}
 
 
-def build_model(name: str, kwargs: Dict[str, Any], checkpoint: Optional[Path]) -> torch.nn.Module:
+def build_model(name: str, kwargs: Dict[str, Any], checkpoint: Optional[Path], ema: bool = False,
+                state: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+    """``timm.create_model(name, **kwargs)`` with the checkpoint's weights (its EMA weights
+    with ``ema``), in eval mode."""
     torch.manual_seed(0)  # an untrained model is the same on every run
     model = timm.create_model(name, **kwargs)
     if checkpoint is not None:
-        dcvit.load_weights(model, checkpoint)
-        print(f"loaded {checkpoint}")
+        if not ema:
+            dcvit.load_weights(model, checkpoint)
+        else:
+            state = dcvit.read_state_dict(checkpoint) if state is None else state
+            weights = state.get("ema")
+            if not isinstance(weights, dict):
+                raise ValueError(f"{checkpoint} holds no EMA weights (its 'ema' entry is "
+                                 f"{type(weights).__name__}); drop --ema")
+            model.load_state_dict(dcvit.checkpoint_filter_fn(weights, model), strict=True)
+        print(f"loaded {checkpoint}{' (EMA weights)' if ema else ''}")
     return model.eval()
 
 
-def load_image(model: torch.nn.Module, image: Optional[Path], digit: int) -> Tuple[Image.Image, torch.Tensor]:
-    """The picture (RGB, model input size) and its normalised tensor (1, 3, H, W)."""
+def load_image(model: torch.nn.Module, image: Optional[Path], digit: int,
+               mean: Optional[List[float]] = None,
+               std: Optional[List[float]] = None) -> Tuple[Image.Image, torch.Tensor]:
+    """The picture (RGB, model input size) and its normalised tensor (1, 3, H, W).
+
+    Normalised with ``mean``/``std`` when given (the training run's), else the model's
+    pretrained config."""
     height, width = model.patch_embed.img_size
     if image is not None:
         pic = Image.open(image).convert("RGB")
@@ -107,9 +149,9 @@ def load_image(model: torch.nn.Module, image: Optional[Path], digit: int) -> Tup
     pic = pic.resize((width, height), Image.Resampling.BICUBIC)
     cfg = timm.data.resolve_model_data_config(model)
     x = torch.from_numpy(np.asarray(pic, dtype=np.float32) / 255.0).permute(2, 0, 1)   # (3, H, W)
-    mean = torch.tensor(cfg["mean"]).view(3, 1, 1)
-    std = torch.tensor(cfg["std"]).view(3, 1, 1)
-    return pic, ((x - mean) / std).unsqueeze(0)                                         # (1, 3, H, W)
+    m = torch.tensor(mean if mean is not None else cfg["mean"], dtype=torch.float32).view(3, 1, 1)
+    s = torch.tensor(std if std is not None else cfg["std"], dtype=torch.float32).view(3, 1, 1)
+    return pic, ((x - m) / s).unsqueeze(0)                                         # (1, 3, H, W)
 
 
 def query_maps(model: torch.nn.Module, x: torch.Tensor, layer: int,
@@ -224,13 +266,18 @@ def main(argv=None) -> int:
     parser.add_argument("--layer", type=int, default=-1, help="block index (default: last)")
     parser.add_argument("--query", type=int, default=None,
                         help="query token index (default: 0 = CLS; centre patch without prefix tokens)")
+    parser.add_argument("--ema", action="store_true",
+                        help="use the EMA weights of a training checkpoint (its 'ema' entry)")
     parser.add_argument("--out", type=Path, required=True, help="output PNG")
     args = parser.parse_args(argv)
 
     try:
-        name, kwargs = resolve_model(args.model, parse_model_kwargs(args.model_kwargs), args.checkpoint)
-        model = build_model(name, kwargs, args.checkpoint)
-        pic, x = load_image(model, args.image, args.digit)
+        state = dcvit.read_state_dict(args.checkpoint) if args.checkpoint is not None else None
+        run = read_run_config(args.checkpoint, state) if args.checkpoint is not None else {}
+        name, kwargs = resolve_model(args.model, parse_model_kwargs(args.model_kwargs),
+                                     args.checkpoint, state)
+        model = build_model(name, kwargs, args.checkpoint, args.ema, state)
+        pic, x = load_image(model, args.image, args.digit, run.get("mean"), run.get("std"))
         maps = query_maps(model, x, args.layer, args.query)
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -45,7 +46,8 @@ def run_dir(tmp_path_factory):
     dcvit.save_weights(model, d / "model.safetensors")
     torch.save({"model": model.state_dict(), "epoch": 3}, d / "checkpoint.pth")
     (d / "config.yaml").write_text(yaml.safe_dump(
-        {"model": "dcvit_tiny", "model_kwargs": TINY, "data": {"num_classes": 10}}))
+        {"model": "dcvit_tiny", "model_kwargs": TINY,
+         "data": {"num_classes": 10, "mean": [0.1, 0.2, 0.3], "std": [0.5, 0.25, 2.0]}}))
     return d, model
 
 
@@ -96,6 +98,37 @@ def test_model_comes_from_config_beside_checkpoint(run_dir):
     # Flags override the config.
     name, kwargs = am.resolve_model("dcvit_small", {"depth": 1}, d / "checkpoint.pth")
     assert name == "dcvit_small" and kwargs["depth"] == 1 and kwargs["embed_dim"] == 24
+
+
+def test_normalisation_comes_from_the_run(run_dir):
+    d, model = run_dir
+    run = am.read_run_config(d / "model.safetensors", {})
+    assert run["mean"] == [0.1, 0.2, 0.3] and run["std"] == [0.5, 0.25, 2.0]
+    pic, x = am.load_image(model, None, 3, run["mean"], run["std"])
+    pixels = torch.tensor(np.asarray(pic), dtype=torch.float32) / 255.0         # (H, W, 3)
+    for c in range(3):
+        expected = (pixels[..., c] - run["mean"][c]) / run["std"][c]
+        torch.testing.assert_close(x[0, c], expected)
+
+
+def test_training_checkpoint_arch_and_ema(tmp_path):
+    """A `python -m train_imagenet` checkpoint without config.yaml: arch entry, EMA weights."""
+    model, ema = _trained_like(), _trained_like()
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(0.01)
+    arch = {"model": "dcvit_tiny", "model_kwargs": TINY, "num_classes": 10}
+    torch.save({"model": model.state_dict(), "ema": ema.state_dict(), "epoch": 2, "arch": arch},
+               tmp_path / "ckpt-e0002-u00000010.pth")
+    torch.save({"model": model.state_dict(), "ema": None, "arch": arch}, tmp_path / "no_ema.pth")
+    ckpt = tmp_path / "ckpt-e0002-u00000010.pth"
+    name, kwargs = am.resolve_model(None, {}, ckpt)
+    assert name == "dcvit_tiny" and kwargs == {**TINY, "num_classes": 10}
+    _, x = am.load_image(model, None, 1)
+    torch.testing.assert_close(am.build_model(name, kwargs, ckpt)(x), model(x))
+    torch.testing.assert_close(am.build_model(name, kwargs, ckpt, ema=True)(x), ema(x))
+    with pytest.raises(ValueError, match="no EMA weights.*drop --ema"):
+        am.build_model(name, kwargs, tmp_path / "no_ema.pth", ema=True)
 
 
 def test_num_classes_from_checkpoint_without_config(tmp_path):
