@@ -1,8 +1,8 @@
 """Data: WebDataset shards (primary) or an ImageFolder, timm transforms, per-rank loaders.
 
 Shards are tar files of samples ``<key>.jpg|.png`` (image bytes) + ``<key>.cls`` (ASCII label),
-given as a brace pattern (``DIR/train-{000000..000099}.tar``), a directory of ``.tar`` files,
-or a single file. A directory without ``.tar`` files is read as an ImageFolder.
+given as a brace pattern (``DIR/train-{000000..000099}.tar``), a directory of ``.tar`` files
+(only its ``train-*.tar`` / ``val-*.tar`` when present), or a single file. A directory without ``.tar`` files is read as an ImageFolder.
 
 Training streams are cut to a fixed number of samples per rank per epoch
 (``floor(num_samples / world) // batch_size`` full batches), so every rank runs the same
@@ -84,6 +84,9 @@ def resolve_source(spec: str, key: str) -> Source:
                         f"(WebDataset shards) or {key}=IMAGEFOLDER_ROOT")
     if os.path.isdir(spec):
         tars = sorted(os.path.join(spec, n) for n in os.listdir(spec) if n.endswith(".tar"))
+        split = key.rsplit(".", 1)[-1]  # 'train' / 'val': a shared directory holds both splits
+        if any(os.path.basename(t).startswith(split + "-") for t in tars):
+            tars = [t for t in tars if os.path.basename(t).startswith(split + "-")]
         if tars:
             return Source("wds", shards=tars)
         if any(os.path.isdir(os.path.join(spec, n)) for n in os.listdir(spec)):
@@ -269,27 +272,30 @@ class ShardStream(IterableDataset):
         rng = _seed(self.seed, self.epoch, slot)
         buffer: List[Dict[str, Any]] = []
 
-        def cycle() -> Iterator[Dict[str, Any]]:
-            while True:
+        def passes() -> Iterator[Optional[Dict[str, Any]]]:
+            while True:  # one pass over this slot's shards, then None
                 rng.shuffle(mine)
                 for shard in mine:
                     for sample in _read_tar(shard):
                         for _ in range(self.repeats):
                             yield sample
+                yield None
 
-        produced = 0
-        for sample in cycle():
-            if self.shuffle_buffer <= 1:
-                out = sample
-            else:
-                buffer.append(sample)
-                if len(buffer) < self.shuffle_buffer:
+        def shuffled() -> Iterator[Dict[str, Any]]:
+            for sample in passes():
+                if sample is None:  # drain at the end of a pass: no repeats inside one pass
+                    rng.shuffle(buffer)
+                    while buffer:
+                        yield buffer.pop()
                     continue
-                j = rng.randrange(len(buffer))
-                buffer[j], buffer[-1] = buffer[-1], buffer[j]
-                out = buffer.pop()
-            yield out
-            produced += 1
+                buffer.append(sample)
+                if len(buffer) >= max(self.shuffle_buffer, 1):
+                    j = rng.randrange(len(buffer))
+                    buffer[j], buffer[-1] = buffer[-1], buffer[j]
+                    yield buffer.pop()
+
+        for produced, sample in enumerate(shuffled(), start=1):
+            yield sample
             if produced >= quota:  # corrupt samples are replaced from the stream below
                 return
 
