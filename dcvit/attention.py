@@ -311,7 +311,7 @@ class DCMHA(nn.Module):
         else:
             x = composed_attention(q * self.scale, k, core_v, mask, pre, post, impl)
         if dropout:
-            x = self.attn_drop(x) @ v                                            # (B, H, N, D)
+            x = self.attn_drop(x.contiguous()) @ v                               # (B, H, N, D)
         return x
 
     @torch.jit.unused

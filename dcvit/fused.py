@@ -318,7 +318,6 @@ class _ComposedAttention(torch.autograd.Function):
                 mk2: Optional[Tensor], backend: str) -> Tensor:
         ctx.backend = backend
         ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2)
-        ctx.set_materialize_grads(False)
         s0 = _scores(q, k)
         if backend == "cpp":
             p2 = _rows_forward_cpp(s0, _mask_to(mask, s0), (mq1, mk1), (mq2, mk2))
@@ -386,6 +385,8 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     """
     if backend == "cpp" and q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         backend = "torch"
+    if backend == "triton" and q.dtype == torch.float64:
+        backend = "torch"                                                    # kernel is float32
     if backend == "cpp" and q.device.type != "cpu":
         raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
                          "use 'triton' or 'torch'")

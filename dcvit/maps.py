@@ -5,6 +5,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import DCMHA
+from .fused import attention_impl
 
 __all__ = ["attention_maps"]
 
@@ -20,7 +21,8 @@ def attention_maps(model: nn.Module, images: Tensor) -> List[Dict[str, object]]:
          "weights_before", "weights_after": (B, H, N, N) softmax weights     (if post-compose)}
 
     The maps are read with forward hooks on the layers' ``pre_compose``/``post_compose``
-    submodules; the model runs in eval mode and is left in the mode it was in.
+    submodules, so the layers run their ``reference`` attention core (the fast cores never
+    materialise these maps); the model runs in eval mode and is left in the mode it was in.
     """
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, DCMHA)]
     if not layers:
@@ -42,7 +44,8 @@ def attention_maps(model: nn.Module, images: Tensor) -> List[Dict[str, object]]:
             if layer.post_compose is not None:
                 handles.append(layer.post_compose.register_forward_hook(recorder(record, "weights")))
         model.eval()
-        model(images)
+        with attention_impl("reference"):
+            model(images)
     finally:
         for h in handles:
             h.remove()

@@ -1,0 +1,321 @@
+"""Every fast attention core of DCMHA equals the reference `compose` formulation.
+
+The reference is DCMHA's ``reference`` core (one `Compose` call per stage, `dcvit.compose`
+maths); the fast cores are checked against it in float64 (outputs, input gradients and the
+gradient of every parameter), against finite differences (gradcheck), and under the
+conditions the model meets in use: masks, causal attention, dropout, bf16 autocast,
+TorchScript, FX and torch.compile.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import timm
+import torch
+
+import dcvit
+from dcvit import compose, fused
+from dcvit.fused import attention_impl, compose_matrices, mix
+from dcvit.kernels import compose_cpu
+
+HAS_CPP = compose_cpu.load() is not None
+FAST_IMPLS = ["torch", "compile"] + (["cpp"] if HAS_CPP else [])
+
+OPTIONS = [
+    dict(),
+    dict(static_proj=True),
+    dict(pre_compose=False),
+    dict(post_compose=False),
+    dict(query_wise=False),
+    dict(key_wise=False, rank=1),
+    dict(dynamic_proj=False),
+    dict(dynamic_gate=False, rank=4),
+    dict(dynamic_proj=False, dynamic_gate=False, static_proj=True),
+    dict(pre_compose=False, key_wise=False, static_proj=True),
+]
+
+
+def _layer(dim=24, heads=3, dtype=torch.float64, seed=0, std=0.3, **options):
+    """A DCMHA whose dynamic weights and static matrices are far from their near-zero init."""
+    torch.manual_seed(seed)
+    layer = dcvit.DCMHA(dim, heads, qkv_bias=True, **options).to(dtype)
+    with torch.no_grad():
+        if layer.dynamic_weights is not None:
+            for p in layer.dynamic_weights.parameters():
+                p.normal_(0, std)
+        for stage in (layer.pre_compose, layer.post_compose):
+            if stage is not None and stage.static is not None:
+                stage.static.normal_(0, std)
+    return layer
+
+
+def _run(layer, x, impl, **kwargs):
+    """Output, input gradient and parameter gradients of ``layer`` under core ``impl``."""
+    x = x.detach().clone().requires_grad_()
+    layer.zero_grad(set_to_none=True)
+    with attention_impl(impl):
+        y = layer(x, **kwargs)
+    weight = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
+    (y * weight).sum().backward()
+    grads = {n.replace("_orig_mod.", ""): p.grad.detach().clone()
+             for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad.detach(), grads
+
+
+def _assert_same(ref, out, atol, rtol=0.0):
+    torch.testing.assert_close(out[0], ref[0], atol=atol, rtol=rtol)
+    torch.testing.assert_close(out[1], ref[1], atol=atol, rtol=rtol)
+    assert set(out[2]) == set(ref[2]), set(out[2]) ^ set(ref[2])
+    for name in ref[2]:
+        torch.testing.assert_close(out[2][name], ref[2][name], atol=atol, rtol=rtol, msg=name)
+
+
+# ----------------------------------------------------------------- compose matrices
+
+@pytest.mark.parametrize("rank", [1, 2, 4])
+@pytest.mark.parametrize("branches", ["all", "query", "key", "gates", "static"])
+def test_merged_matrices_equal_compose(rank, branches):
+    g = torch.Generator().manual_seed(rank)
+    B, H, T, S = 2, 5, 4, 7                                                  # T != S
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)        # noqa: E731
+    a = r(B, H, T, S)
+    args = dict(qw1=r(B, T, rank, H), qw2=r(B, T, rank, H), kw1=r(B, S, rank, H),
+                kw2=r(B, S, rank, H), qdd=r(B, T, H), kdd=r(B, S, H), static=r(H, H))
+    drop = {"all": [], "query": ["kw1", "kw2", "kdd", "static"], "key": ["qw1", "qw2", "qdd"],
+            "gates": ["qw1", "qw2", "kw1", "kw2"], "static": ["qw1", "qw2", "kw1", "kw2", "qdd", "kdd"]}
+    for name in drop[branches]:
+        args[name] = None
+    mq, mk = compose_matrices(H, args["qw1"], args["qw2"], args["kw1"], args["kw2"], args["qdd"],
+                              args["kdd"], args["static"], torch.float64, a.device)
+    expected = compose(a, **args)
+    torch.testing.assert_close(mix(a, mq, mk), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(fused._mix_fusable(a, mq, mk), expected, atol=1e-12, rtol=0)
+
+
+# ------------------------------------------------------------------- layer vs reference
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_fast_core_equals_reference_float64(impl, options):
+    layer = _layer(**options)
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    _assert_same(_run(layer, x, "reference"), _run(layer, x, impl), atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+@pytest.mark.parametrize("mask_kind", ["bool", "float", "causal", "float_broadcast"])
+def test_fast_core_masks(impl, mask_kind):
+    layer = _layer()
+    B, N = 2, 7
+    x = torch.randn(B, N, 24, dtype=torch.float64)
+    kwargs = {}
+    if mask_kind == "bool":
+        keep = torch.rand(B, 1, N, N, generator=torch.Generator().manual_seed(3)) > 0.4
+        keep[..., 0] = True                                                  # no empty row
+        kwargs["attn_mask"] = keep
+    elif mask_kind == "float":
+        kwargs["attn_mask"] = torch.randn(B, 3, N, N, dtype=torch.float64)
+    elif mask_kind == "float_broadcast":
+        kwargs["attn_mask"] = torch.randn(N, N, dtype=torch.float64)
+    else:
+        kwargs["is_causal"] = True
+    _assert_same(_run(layer, x, "reference", **kwargs), _run(layer, x, impl, **kwargs), atol=1e-10)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+def test_fast_core_float32(impl):
+    layer = _layer(dim=384, heads=6, dtype=torch.float32, std=0.05)
+    x = torch.randn(2, 30, 384)
+    _assert_same(_run(layer, x, "reference"), _run(layer, x, impl), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+def test_fast_core_dropout_in_training(impl):
+    layer = _layer(attn_drop=0.3).train()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    torch.manual_seed(11)
+    ref = _run(layer, x, "reference")
+    torch.manual_seed(11)
+    out = _run(layer, x, impl)
+    _assert_same(ref, out, atol=1e-10)
+    torch.manual_seed(12)
+    other = _run(layer, x, impl)
+    assert not torch.allclose(other[0], out[0]), "dropout had no effect in training mode"
+
+
+@pytest.mark.parametrize("impl", FAST_IMPLS)
+def test_fast_core_bf16_autocast(impl):
+    layer = _layer(dim=64, heads=4, dtype=torch.float32)
+    x = torch.randn(2, 17, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = _run(layer, x, "reference")
+        out = _run(layer, x, impl)
+    assert out[0].dtype == ref[0].dtype
+    scale = ref[0].abs().max().item()
+    torch.testing.assert_close(out[0].float(), ref[0].float(), atol=0.05 * scale, rtol=0)
+    gscale = ref[1].abs().max().item()
+    torch.testing.assert_close(out[1].float(), ref[1].float(), atol=0.05 * gscale, rtol=0)
+
+
+def test_function_gradcheck_against_finite_differences():
+    """The recomputing backward (PyTorch and C++) against finite differences."""
+    g = torch.Generator().manual_seed(0)
+    B, H, N, D = 1, 3, 5, 4
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    q, k, v = r(B, H, N, D), r(B, H, N, D), r(B, H, N, D)
+    mq1, mk1, mq2, mk2 = r(B, N, H, H), r(B, N, H, H), r(1, 1, H, H), r(B, N, H, H)
+    mask = torch.randn(1, 1, N, N, generator=g, dtype=torch.float64)
+    for backend in ["torch"] + (["cpp"] if HAS_CPP else []):
+        for with_v in (True, False):
+            def f(q, k, v, mq1, mk1, mq2, mk2):
+                return fused.composed_attention(q, k, v if with_v else None, mask, (mq1, mk1),
+                                                (mq2, mk2), backend)
+            assert torch.autograd.gradcheck(f, (q, k, v, mq1, mk1, mq2, mk2), atol=1e-7,
+                                            fast_mode=True), backend
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
+def test_cpp_rows_equal_torch_rows_float32():
+    g = torch.Generator().manual_seed(1)
+    B, H, T, S = 3, 6, 37, 37                                                # S not a multiple of 16
+    s0 = torch.randn(B, H, T, S, generator=g)
+    mq, mk = torch.randn(B, T, H, H, generator=g), torch.randn(B, S, H, H, generator=g)
+    mask = torch.where(torch.rand(1, 1, T, S, generator=g) > 0.3, 0.0, float("-inf"))
+    mask[..., 0] = 0.0
+    mask = mask.expand(B, H, T, S)
+    pre, post = (mq, mk), (mq[:1, :1], mk)
+    torch.testing.assert_close(fused._rows_forward_cpp(s0, mask, pre, post),
+                               fused._rows_forward_torch(s0, mask, pre, post), atol=1e-5, rtol=1e-5)
+    dp2 = torch.randn(B, H, T, S, generator=g)
+    got = fused._rows_backward_cpp(s0, mask, pre, post, dp2)
+    want = fused._rows_backward_torch(s0, mask, pre, post, dp2)
+    for a, b in zip([got[0], got[1], *got[2], *got[3]], [want[0], want[1], *want[2], *want[3]]):
+        torch.testing.assert_close(a.reshape(b.shape) if a.numel() == b.numel() else a.sum((0, 1), keepdim=True),
+                                   b, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------- dispatch
+
+def test_auto_dispatch_and_forcing():
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(1, 5, 24)
+    assert fused.select_impl("auto", x, False) == ("cpp" if HAS_CPP else "torch")
+    assert fused.select_impl("torch", x, False) == "torch"
+    with attention_impl("reference"):
+        assert fused.select_impl("torch", x, False) == "reference"
+        with attention_impl("auto"):
+            assert fused.select_impl("torch", x, False) == "torch"
+    with pytest.raises(ValueError, match="unknown DCMHA attention implementation 'fast'"):
+        with attention_impl("fast"):
+            pass
+    layer.attn_impl = "nope"
+    with pytest.raises(ValueError, match="'nope'"):
+        layer(x)
+
+
+def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(compose_cpu, "_state", {})
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("DCVIT_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert compose_cpu.load() is None
+    assert fused.select_impl("auto", torch.zeros(1, 5, 24), False) == "torch"
+    layer = _layer(dtype=torch.float64)
+    x = torch.randn(1, 5, 24, dtype=torch.float64)
+    _assert_same(_run(layer, x, "reference"), _run(layer, x, "auto"), atol=1e-10)
+
+
+def test_attention_maps_use_reference_core():
+    model = timm.create_model("dcvit_tiny_patch16_224", img_size=32, patch_size=16, depth=2,
+                              num_classes=0)
+    for m in model.modules():
+        if isinstance(m, dcvit.DCMHA):
+            m.attn_impl = "torch"
+    maps = dcvit.attention_maps(model, torch.randn(1, 3, 32, 32))
+    assert len(maps) == 2 and maps[0]["scores_before"].shape == (1, 3, 5, 5)
+    assert maps[0]["weights_after"].shape == (1, 3, 5, 5)
+
+
+def test_torchscript_and_fx_match_fast_eager():
+    """Scripted and FX-traced models run the reference core; both equal the fast eager model."""
+    from timm.layers import set_scriptable
+    from timm.models import create_feature_extractor, get_graph_node_names
+    kwargs = dict(img_size=32, patch_size=16, depth=2, num_classes=5)
+    with set_scriptable(True):
+        model = timm.create_model("dcvit_tiny_patch16_224", **kwargs).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        eager = model(x)                                                     # auto: fast core
+        scripted = torch.jit.script(model)
+        torch.testing.assert_close(scripted(x), eager, atol=1e-5, rtol=1e-5)
+        _, nodes = get_graph_node_names(model)
+        assert any("pre_compose" in n for n in nodes), "FX graph does not show the Compose modules"
+        fx_model = create_feature_extractor(model, [nodes[-1]])
+        torch.testing.assert_close(list(fx_model(x).values())[0], eager, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_compile_fullgraph_matches_reference():
+    torch._dynamo.reset()
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(2, 7, 24)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    ref = _run(layer, x, "reference")
+    out = _run(compiled, x, "auto")
+    _assert_same(ref, out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_matches_reference():
+    torch._dynamo.reset()
+    layer = _layer(dtype=torch.float32)
+    x = torch.randn(2, 7, 24)
+    compiled = torch.compile(layer, fullgraph=True)
+    _assert_same(_run(layer, x, "reference"), _run(compiled, x, "auto"), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------- Triton
+
+def test_triton_kernel_under_interpreter():
+    """The Triton rows kernel and the Function through it, on CPU under TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import torch, dcvit
+        from dcvit import fused
+        from dcvit.fused import attention_impl
+        from dcvit.kernels import compose_triton
+        g = torch.Generator().manual_seed(0)
+        B, H, T = 2, 3, 5
+        s0 = torch.randn(B, H, T, T, generator=g)
+        mq, mk = torch.randn(B, T, H, H, generator=g), torch.randn(B, T, H, H, generator=g)
+        mask = torch.where(torch.rand(1, 1, T, T, generator=g) > 0.3, 0.0, float("-inf"))
+        mask[..., 0] = 0.0
+        mask = mask.expand(B, H, T, T)
+        for pre, post, m in [((mq, mk), (mq, mk), None), ((mq, None), (None, None), mask),
+                             ((None, None), (mq[:1, :1], mk), mask)]:
+            want = fused._rows_forward_torch(s0, m, pre, post)
+            got = compose_triton.rows_forward(s0, m, pre, post)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.manual_seed(0)
+        layer = dcvit.DCMHA(12, 3)
+        with torch.no_grad():
+            for p in layer.dynamic_weights.parameters():
+                p.normal_(0, 0.3)
+        x = torch.randn(2, 5, 12)
+        outs = []
+        for impl in ("reference", "triton"):
+            xi = x.clone().requires_grad_()
+            layer.zero_grad()
+            with attention_impl(impl):
+                y = layer(xi, is_causal=True)
+            y.square().sum().backward()
+            outs.append((y, xi.grad, layer.dynamic_weights.dw1.grad.clone()))
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
