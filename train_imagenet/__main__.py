@@ -98,6 +98,8 @@ def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) 
 
 
 def run(cfg: Config) -> int:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     info = init_distributed(cfg.device)
     device = info.device
     if cfg.amp == "fp16" and device.type != "cuda":
@@ -297,7 +299,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML recipe (configs/*.yaml)")
     p.add_argument("--eval-only", action="store_true", help="evaluate checkpoint=PATH and exit")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-3")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

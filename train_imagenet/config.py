@@ -114,6 +114,7 @@ class Config:
     accum_steps: int = 1                  # gradient accumulation (micro-batches per update)
     amp: str = "none"                     # 'none', 'bf16' (CPU and GPU) or 'fp16' (GPU)
     device: str = "auto"                  # 'auto', 'cpu' or 'cuda'
+    threads: int = 0                      # torch CPU threads per process; 0 = torch's default
     output_dir: str = "runs/default"
     seed: int = 0
     resume: str = ""                      # 'auto' (latest valid checkpoint), a path, or ''
@@ -135,7 +136,7 @@ class Config:
                     "aug.repeated_aug", "eval_every", "keep_checkpoints", "log_every"):
             if _get(self, key) < 1:
                 raise ConfigError(f"{key}={_get(self, key)!r} must be >= 1")
-        for key in ("data.num_workers", "data.shuffle_buffer", "save_every_steps"):
+        for key in ("data.num_workers", "data.shuffle_buffer", "save_every_steps", "threads"):
             if _get(self, key) < 0:
                 raise ConfigError(f"{key}={_get(self, key)!r} must be >= 0")
         if (self.aug.mixup > 0 or self.aug.cutmix > 0) and self.batch_size % 2:

@@ -1,0 +1,141 @@
+"""End-to-end runs of `python -m train_imagenet` in this process (one rank, CPU): evaluation
+against a hand count, resume equivalence, and the errors raised before training starts."""
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from train_imagenet.__main__ import main
+from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
+
+from train_helpers import digits, write_shards
+
+TINY = ["model=vit_tiny_patch16_224",
+        "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
+        "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
+        "data.crop_pct=1.0", "data.interpolation=bilinear", "batch_size=8", "optim.lr=2e-3",
+        "optim.lr_batch_size=null", "sched.warmup_epochs=1", "sched.min_lr=1e-5", "epochs=2",
+        "threads=1"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("digits"))
+    x, y = digits(149)
+    write_shards(root, "train", x[:96], y[:96], 24)      # 4 shards
+    write_shards(root, "val", x[96:], y[96:], 20)        # 53 samples: 20, 20, 13
+    return root, x[96:], y[96:]
+
+
+def _run(data, out, *extra):
+    root = data[0]
+    return main([f"data.train={root}", f"data.val={root}", f"output_dir={out}", *TINY, *extra])
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_eval_equals_hand_count(data, tmp_path):
+    """eval.json's top-1/top-5 equal a count by hand over every val image (uneven last batch)."""
+    root, x_val, y_val = data
+    assert _run(data, tmp_path / "run", "epochs=1", "aug.no_aug=true", "aug.mixup=0",
+                "aug.cutmix=0", "batch_size=8") == 0
+    ckpt = list_checkpoints(str(tmp_path / "run"))[-1]
+    assert _run(data, tmp_path / "ev", "--eval-only", f"checkpoint={ckpt}", "batch_size=6") == 0
+    res = _json(tmp_path / "ev" / "eval.json")
+
+    import timm
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=32, patch_size=8,
+                              depth=1, embed_dim=24, num_heads=2)
+    model.load_state_dict(load_checkpoint(ckpt)["model"])
+    model.eval()
+    mean, std = np.array(model.pretrained_cfg["mean"]), np.array(model.pretrained_cfg["std"])
+    img = (x_val.astype(np.float64) / 255.0 - mean) / std            # (N, 32, 32, 3), no resize
+    with torch.no_grad():
+        logits = model(torch.tensor(img, dtype=torch.float32).permute(0, 3, 1, 2))
+    rank_of_target = (logits > logits[torch.arange(len(y_val)), torch.tensor(y_val)][:, None]).sum(1)
+    top1 = 100.0 * (rank_of_target == 0).float().mean().item()
+    top5 = 100.0 * (rank_of_target < 5).float().mean().item()
+    assert res["num_samples"] == len(y_val) == 53
+    assert res["top1"] == pytest.approx(top1, abs=1e-4) and res["top5"] == pytest.approx(top5, abs=1e-4)
+    for key in ("model", "model_kwargs", "img_size", "num_classes", "checkpoint", "ema"):
+        assert key in res
+    assert res["checkpoint"] == ckpt and res["ema"] is False
+
+
+def test_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
+    """A run restarted from a mid-epoch checkpoint (RandAugment, mixup/cutmix, drop-path and
+    EMA all on) ends with the same weights and metrics as the uninterrupted run."""
+    aug = ["aug.auto_augment=rand-m9-mstd0.5-inc1", "aug.reprob=0.25", "aug.mixup=0.8",
+           "aug.cutmix=1.0", "drop_path=0.1", "ema.enabled=true", "ema.decay=0.9",
+           "save_every_steps=5", "keep_checkpoints=20"]
+    full = tmp_path / "full"
+    assert _run(data, full, *aug) == 0
+    mid = [p for p in list_checkpoints(str(full)) if load_checkpoint(p)["batch"] > 0]
+    assert mid, "expected a mid-epoch checkpoint"
+    state = load_checkpoint(mid[-1])
+    assert state["epoch"] == 1 and 0 < state["batch"] < 12
+    resumed = tmp_path / "resumed"
+    os.makedirs(resumed)
+    shutil.copy(mid[-1], resumed)                      # as if killed right after this save
+    assert _run(data, resumed, *aug, "resume=auto") == 0
+    a, b = load_checkpoint(list_checkpoints(str(full))[-1]), load_checkpoint(list_checkpoints(str(resumed))[-1])
+    assert a["update"] == b["update"] == 24
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+        assert torch.equal(a["ema"][k], b["ema"][k]), k
+    assert _json(full / "eval.json")["top1"] == _json(resumed / "eval.json")["top1"]
+    assert _json(full / "eval_ema.json")["top1"] == _json(resumed / "eval_ema.json")["top1"]
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path, capsys):
+    out = tmp_path / "nan"
+    assert _run(data, out, "save_every_steps=4", "debug.nan_at_step=7") == 3
+    err = capsys.readouterr().err
+    assert "loss is nan" in err and "update 7" in err and "last good checkpoint" in err
+    ckpts = list_checkpoints(str(out))
+    assert [load_checkpoint(p)["update"] for p in ckpts] == [4]
+    assert os.path.basename(ckpts[0]) in err
+    assert all(torch.isfinite(v).all() for v in load_checkpoint(ckpts[0])["model"].values())
+    assert not (out / "eval.json").exists()
+
+
+def test_wrong_architecture_checkpoint(data, tmp_path, capsys):
+    assert _run(data, tmp_path / "a", "epochs=1", "aug.mixup=0", "aug.cutmix=0") == 0
+    ckpt = list_checkpoints(str(tmp_path / "a"))[-1]
+    other = ["model_kwargs={img_size: 32, patch_size: 8, depth: 2, embed_dim: 24, num_heads: 2}"]
+    assert _run(data, tmp_path / "b", "--eval-only", f"checkpoint={ckpt}", *other) == 2
+    assert "differs in: model_kwargs" in capsys.readouterr().err
+    assert _run(data, tmp_path / "c", f"resume={ckpt}", "model=dcvit_tiny") == 2
+    assert "differs in: model" in capsys.readouterr().err
+    bare = tmp_path / "bare.pth"                        # weights only, no metadata
+    torch.save(load_checkpoint(ckpt)["model"], bare)
+    assert _run(data, tmp_path / "d", "--eval-only", f"checkpoint={bare}", *other) == 2
+    assert "do not fit this architecture: 12 missing" in capsys.readouterr().err
+    assert not (tmp_path / "b" / "eval.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["optim.lr_rate=1"], "did you mean 'optim.lr'"),
+    (["data.train=/nonexistent/train-{000000..000003}.tar"], "4 of 4 shards are missing"),
+    (["data.num_classes=4"], "set data.num_classes=10"),
+    (["data.img_size=64"], "set model_kwargs.img_size=64"),
+    (["model=vit_tiny_patch16_22"], "did you mean 'vit_tiny_patch16_224'"),
+    (["amp=fp16"], "amp=fp16 needs a CUDA device"),
+])
+def test_bad_input_fails_before_training(data, tmp_path, capsys, args, message):
+    assert _run(data, tmp_path / "x", *args) == 2
+    assert message in capsys.readouterr().err
+    assert not any(n.startswith("ckpt") for n in os.listdir(tmp_path / "x")) if (tmp_path / "x").exists() else True
