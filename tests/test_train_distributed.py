@@ -1,0 +1,128 @@
+"""Multi-process runs under torchrun on CPU (gloo): DDP equals one process with the same global
+batch; a worker killed mid-epoch and restarted by torchrun ends where an uninterrupted run
+ends; two torchrun agents (--nnodes=2) rendezvous on localhost and train together."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from train_imagenet.__main__ import main
+from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
+
+from train_helpers import digits, write_folder, write_shards
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model=vit_tiny_patch16_224",
+        "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
+        "data.num_classes=10", "data.img_size=32", "data.shuffle_buffer=16", "data.crop_pct=1.0",
+        "optim.lr=2e-3", "optim.lr_batch_size=null", "sched.warmup_epochs=1", "threads=1"]
+AUG = ["aug.auto_augment=rand-m9-mstd0.5-inc1", "aug.mixup=0.8", "aug.cutmix=1.0", "drop_path=0.1",
+       "ema.enabled=true", "ema.decay=0.9", "epochs=2", "batch_size=8", "data.num_workers=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(launcher, args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "train_imagenet", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _finish(proc, timeout=600):
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _final(run_dir):
+    return load_checkpoint(list_checkpoints(str(run_dir))[-1])
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("digits"))
+    x, y = digits(149)
+    write_shards(root, "train", x[:96], y[:96], 24)      # 4 shards
+    write_shards(root, "val", x[96:], y[96:], 20)        # 53 samples in 3 shards
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(shards, tmp_path_factory):
+    """An uninterrupted 2-process run on the shards, with every source of randomness on."""
+    out = tmp_path_factory.mktemp("reference")
+    _finish(_torchrun(["--standalone", "--nproc_per_node=2"],
+                      [f"data.train={shards}", f"data.val={shards}", f"output_dir={out}", *TINY, *AUG]))
+    return out
+
+
+def test_ddp_two_processes_equal_one_with_same_global_batch(tmp_path):
+    x, y = digits(120)
+    write_folder(str(tmp_path / "train"), x[:64], y[:64])
+    write_folder(str(tmp_path / "val"), x[64:], y[64:])
+    common = [f"data.train={tmp_path / 'train'}", f"data.val={tmp_path / 'val'}", *TINY,
+              "aug.no_aug=true", "aug.mixup=0", "aug.cutmix=0", "aug.smoothing=0", "drop_path=0",
+              "epochs=2", "data.num_workers=0", "optim.clip_grad=1.0"]
+    _finish(_torchrun(["--standalone", "--nproc_per_node=2"],
+                      [*common, "batch_size=8", f"output_dir={tmp_path / 'ddp'}"]))
+    n = torch.get_num_threads()
+    try:
+        assert main([*common, "batch_size=16", f"output_dir={tmp_path / 'one'}"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    a, b = _final(tmp_path / "ddp"), _final(tmp_path / "one")
+    assert a["update"] == b["update"] == 8                       # 64 samples / 16 x 2 epochs
+    diffs = [(a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]]
+    assert max(diffs) < 1e-5, max(diffs)
+    first = load_checkpoint(list_checkpoints(str(tmp_path / "one"))[0])      # after epoch 0
+    assert first["update"] == 4
+    assert max((a["model"][k] - first["model"][k]).abs().max().item() for k in a["model"]) > 1e-4
+    ra, rb = _json(tmp_path / "ddp" / "eval.json"), _json(tmp_path / "one" / "eval.json")
+    assert ra["num_samples"] == rb["num_samples"] == 56 and ra["top1"] == pytest.approx(rb["top1"])
+
+
+def test_killed_worker_restarted_by_torchrun_ends_identically(shards, reference, tmp_path):
+    out = tmp_path / "restarted"
+    log = _finish(_torchrun(["--standalone", "--nproc_per_node=2", "--max-restarts=1"],
+                            [f"data.train={shards}", f"data.val={shards}", f"output_dir={out}",
+                             *TINY, *AUG, "resume=auto", "save_every_steps=4",
+                             "debug.crash_at_step=9", "keep_checkpoints=5"]))
+    assert "simulated failure" in log and "resumed from" in log and "u00000008" in log
+    a, b = _final(reference), _final(out)
+    assert a["update"] == b["update"] == 12
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+        assert torch.equal(a["ema"][k], b["ema"][k]), k
+    ra, rb = _json(reference / "eval.json"), _json(out / "eval.json")
+    assert (ra["top1"], ra["top5"], ra["num_samples"]) == (rb["top1"], rb["top5"], rb["num_samples"])
+
+
+def test_two_node_rendezvous_on_localhost(shards, reference, tmp_path):
+    out = tmp_path / "two_nodes"
+    port = _free_port()
+    launcher = ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dcvit-test", "--max-restarts=0"]
+    args = [f"data.train={shards}", f"data.val={shards}", f"output_dir={out}", *TINY, *AUG]
+    agents = [_torchrun(launcher, args) for _ in range(2)]
+    for agent in agents:
+        _finish(agent)
+    a, b = _final(reference), _final(out)                  # same world size, same ranks' data
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert _json(out / "eval.json")["top1"] == _json(reference / "eval.json")["top1"]
