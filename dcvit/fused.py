@@ -58,7 +58,7 @@ def _check_impl(name: str) -> None:
 
 
 def _is_fx_tracing() -> bool:
-    return torch.fx._symbolic_trace.is_fx_tracing()
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
 def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:

@@ -1,0 +1,291 @@
+"""DCViT against its ViT baseline, side by side: throughput ratios and peak-memory ratios.
+
+Usage (installed as ``dcvit-bench``; ``python scripts/benchmark.py`` is the same)::
+
+    dcvit-bench                                   # DCViT-S/16 vs ViT-S/16, the issue's table
+    dcvit-bench --dtypes fp32,bf16 --no-compile   # sub-selections
+    dcvit-bench --layer --batch-size 16 --tokens 197 --dim 384 --heads 6
+
+Method (SPEC §5): both models are built in one process and timed alternately (DCViT, ViT,
+then ViT, DCViT, ...), after warm-up, same batch, dtype and threads; a figure is the ratio of
+the median step times (throughput ratio = ViT time / DCViT time). Training steps are
+forward + cross-entropy + backward + AdamW. Peak memory is measured in a fresh process per
+model (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over training steps at
+``--mem-batch-size``. ``--layer`` times one DCMHA layer (its automatic fast core) against the
+plain formulation of SPEC §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
+Results go to stdout as a table and to ``--json`` (written atomically).
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["main", "TARGETS"]
+
+# Targets of the performance issue: (figure key prefix, comparison, bound).
+TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.20)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _build(name: str, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    import timm
+    import dcvit  # noqa: F401  (registers the DCViT models)
+    kwargs: Dict[str, Any] = dict(img_size=args.img_size)
+    if args.depth:
+        kwargs["depth"] = args.depth
+    torch.manual_seed(0)
+    model = timm.create_model(name, **kwargs).to(device)
+    if args.impl != "auto":
+        for m in model.modules():
+            if hasattr(m, "attn_impl"):
+                m.attn_impl = args.impl
+    return model
+
+
+def _step_fn(model: torch.nn.Module, mode: str, dtype: torch.dtype, device: torch.device,
+             batch: int, img_size: int, compiled: bool) -> Callable[[], None]:
+    """One inference forward or one training step of ``model`` on fixed random data."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 3, img_size, img_size, generator=g).to(device)
+    y = torch.randint(0, 1000, (batch,), generator=g).to(device)
+    net = torch.compile(model) if compiled else model
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    if mode == "inference":
+        model.eval()
+
+        def step() -> None:
+            with torch.no_grad(), autocast:
+                net(x)
+        return step
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+    return train_step
+
+
+def _time_pair(step_a: Callable[[], None], step_b: Callable[[], None], device: torch.device,
+               warmup: int, steps: int) -> Dict[str, Any]:
+    """Alternate A and B (ABBA...), after ``warmup`` untimed steps of each."""
+    for _ in range(warmup):
+        step_a()
+        step_b()
+    _sync(device)
+    times: Dict[str, List[float]] = {"a": [], "b": []}
+    for i in range(steps):
+        order = (("a", step_a), ("b", step_b)) if i % 2 == 0 else (("b", step_b), ("a", step_a))
+        for key, fn in order:
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[key].append(time.perf_counter() - start)
+    med_a, med_b = statistics.median(times["a"]), statistics.median(times["b"])
+    pair = [b / a for a, b in zip(times["a"], times["b"])]
+    return {"dcvit_ms": med_a * 1e3, "vit_ms": med_b * 1e3, "ratio": med_b / med_a,
+            "ratio_pairwise_median": statistics.median(pair),
+            "dcvit_times_ms": [t * 1e3 for t in times["a"]], "vit_times_ms": [t * 1e3 for t in times["b"]]}
+
+
+def _memory_child(args: argparse.Namespace) -> None:
+    """In a fresh process: peak memory over training steps of one model; prints JSON."""
+    import resource
+    device = torch.device(args.device)
+    model = _build(args.memory_child, args, device)
+    step = _step_fn(model, "train", DTYPES[args.dtypes.split(",")[0]], device, args.mem_batch_size,
+                    args.img_size, compiled=False)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(2):                                                       # AdamW state on step 1
+        step()
+    _sync(device)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    print(json.dumps({"model": args.memory_child, "peak_bytes": peak}))
+
+
+def _memory(name: str, args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "dcvit.benchmark", "--memory-child", name, "--device", args.device,
+           "--mem-batch-size", str(args.mem_batch_size), "--img-size", str(args.img_size),
+           "--dtypes", "fp32", "--threads", str(args.threads), "--impl", args.impl]
+    if args.depth:
+        cmd += ["--depth", str(args.depth)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory measurement of {name} failed:\n{proc.stderr[-2000:]}")
+    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def _layer_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """DCMHA (automatic core) vs its plain formulation vs timm Attention, one layer."""
+    import dcvit
+    from dcvit.fused import attention_impl, select_impl
+    torch.manual_seed(0)
+    layer = dcvit.DCMHA(args.dim, args.heads).to(device)
+    mha = layer.as_mha()
+    x = torch.randn(args.batch_size, args.tokens, args.dim, device=device)
+    impl = args.impl if args.impl != "auto" else select_impl("auto", x, False)
+    out: Dict[str, Any] = {"shape": dict(B=args.batch_size, N=args.tokens, dim=args.dim, H=args.heads),
+                           "fast_core": impl, "results": {}}
+    for mode in args.modes.split(","):
+        for dname in args.dtypes.split(","):
+            dtype = DTYPES[dname]
+            autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+            def make(module: torch.nn.Module, core: Optional[str]) -> Callable[[], None]:
+                xi = x.clone().requires_grad_(mode == "train")
+
+                def run() -> None:
+                    ctx = attention_impl(core) if core else attention_impl("auto")
+                    with ctx, autocast, torch.set_grad_enabled(mode == "train"):
+                        y = module(xi)
+                        if mode == "train":
+                            y.float().sum().backward()
+                return run
+            fast, plain, sdpa = make(layer, impl), make(layer, "reference"), make(mha, None)
+            vs_plain = _time_pair(fast, plain, device, args.warmup, args.steps)
+            vs_sdpa = _time_pair(fast, sdpa, device, args.warmup, args.steps)
+            key = f"{mode}/{dname}"
+            out["results"][key] = {"dcmha_ms": vs_sdpa["dcvit_ms"], "plain_ms": vs_plain["vit_ms"],
+                                   "attention_ms": vs_sdpa["vit_ms"],
+                                   "speedup_vs_plain": vs_plain["vit_ms"] / vs_plain["dcvit_ms"],
+                                   "ratio_vs_attention": vs_sdpa["ratio"]}
+    print(f"DCMHA layer, B={args.batch_size} N={args.tokens} dim={args.dim} H={args.heads}, "
+          f"{torch.get_num_threads()} threads, {device}, fast core '{impl}'")
+    print(f"{'mode/dtype':<18}{'DCMHA ms':>10}{'plain ms':>10}{'SDPA ms':>10}{'vs plain':>10}{'vs SDPA':>10}")
+    for key, r in out["results"].items():
+        print(f"{key:<18}{r['dcmha_ms']:>10.1f}{r['plain_ms']:>10.1f}{r['attention_ms']:>10.1f}"
+              f"{r['speedup_vs_plain']:>9.2f}x{r['ratio_vs_attention']:>10.2f}")
+    return out
+
+
+def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    baseline = args.baseline or args.model.replace("dcvit_", "vit_", 1)
+    out: Dict[str, Any] = {"model": args.model, "baseline": baseline, "figures": {}}
+    backends = ["eager"] + ([] if args.no_compile else ["compile"])
+    for backend in backends:
+        for dname in args.dtypes.split(","):
+            for mode in args.modes.split(","):
+                torch._dynamo.reset()
+                a, b = _build(args.model, args, device), _build(baseline, args, device)
+                fa = _step_fn(a, mode, DTYPES[dname], device, args.batch_size, args.img_size, backend == "compile")
+                fb = _step_fn(b, mode, DTYPES[dname], device, args.batch_size, args.img_size, backend == "compile")
+                warmup = max(args.warmup, 2 if backend == "compile" else 0)
+                r = _time_pair(fa, fb, device, warmup, args.steps)
+                r.update(mode=mode, dtype=dname, backend=backend, batch=args.batch_size)
+                key = f"{mode}/{dname}/{backend}/b{args.batch_size}"
+                out["figures"][key] = r
+                print(f"  {key:<28} DCViT {r['dcvit_ms']:8.1f} ms  ViT {r['vit_ms']:8.1f} ms  "
+                      f"ratio {r['ratio']:.3f}", flush=True)
+                del a, b, fa, fb
+    if not args.no_memory:
+        da, db = _memory(args.model, args), _memory(baseline, args)
+        out["figures"][f"memory/fp32/eager/b{args.mem_batch_size}"] = {
+            "dcvit_bytes": da, "vit_bytes": db, "ratio": da / db, "mode": "memory",
+            "kind": "peak_rss" if device.type == "cpu" else "cuda_max_allocated"}
+    return out
+
+
+def _print_table(result: Dict[str, Any]) -> None:
+    print(f"\n{result['model']} vs {result['baseline']} ({result['device']}, "
+          f"{result['threads']} threads, img {result['img_size']})")
+    print(f"{'figure':<34}{'DCViT':>12}{'ViT':>12}{'ratio':>8}{'target':>9}  met")
+    for key, r in result["figures"].items():
+        kind = key.split("/")[0]
+        op, bound = TARGETS[kind]
+        met = r["ratio"] >= bound if op == ">=" else r["ratio"] <= bound
+        if kind == "memory":
+            da, db = f"{r['dcvit_bytes'] / 2**20:.0f} MiB", f"{r['vit_bytes'] / 2**20:.0f} MiB"
+        else:
+            da, db = f"{r['dcvit_ms']:.1f} ms", f"{r['vit_ms']:.1f} ms"
+        print(f"{key:<34}{da:>12}{db:>12}{r['ratio']:>8.3f}{op + str(bound):>9}  {'yes' if met else 'no'}")
+
+
+def _write_json(path: str, data: Dict[str, Any]) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dcvit-bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="dcvit_small_patch16_224")
+    p.add_argument("--baseline", default=None, help="default: the model name with dcvit_ -> vit_")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--mem-batch-size", type=int, default=32)
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--depth", type=int, default=0, help="override the depth (smoke tests)")
+    p.add_argument("--modes", default="inference,train", help="comma list of inference,train")
+    p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16 (bf16 = autocast)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory figure")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per model (median)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--impl", default="auto", help="force DCMHA's attention core (dcvit.fused.IMPLS)")
+    p.add_argument("--json", default="benchmark.json", help="where to write the results")
+    p.add_argument("--layer", action="store_true", help="time one DCMHA layer instead of models")
+    p.add_argument("--tokens", type=int, default=197, help="--layer: sequence length N")
+    p.add_argument("--dim", type=int, default=384, help="--layer: embedding dim")
+    p.add_argument("--heads", type=int, default=6, help="--layer: heads H")
+    p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    args = _parser().parse_args(argv)
+    from dcvit.fused import IMPLS
+    if args.impl not in IMPLS:
+        raise SystemExit(f"dcvit-bench: unknown --impl {args.impl!r}; choose one of {IMPLS}")
+    for d in args.dtypes.split(","):
+        if d not in DTYPES:
+            raise SystemExit(f"dcvit-bench: unknown dtype {d!r} in --dtypes; choose from {sorted(DTYPES)}")
+    for m in args.modes.split(","):
+        if m not in ("inference", "train"):
+            raise SystemExit(f"dcvit-bench: unknown mode {m!r} in --modes; choose from inference,train")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_child:
+        _memory_child(args)
+        return {}
+    device = torch.device(args.device)
+    meta = {"device": str(device), "threads": torch.get_num_threads(), "img_size": args.img_size,
+            "torch": torch.__version__, "platform": platform.platform(),
+            "argv": list(argv) if argv is not None else sys.argv[1:],
+            "steps": args.steps, "warmup": args.warmup}
+    if args.layer:
+        result = {**meta, **_layer_bench(args, device)}
+    else:
+        result = {**meta, **_model_bench(args, device)}
+        _print_table(result)
+    _write_json(args.json, result)
+    print(f"\nwrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
