@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["main", "TARGETS"]
+__all__ = ["main", "run", "TARGETS"]
 
 # Targets of the performance issue: (figure key prefix, comparison, bound).
 TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.20)}
@@ -256,7 +256,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Console entry point (``dcvit-bench``)."""
+    run(argv)
+
+
+def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+    """Parse ``argv``, run the benchmark, print the table, write the JSON; return the results."""
     args = _parser().parse_args(argv)
     from dcvit.fused import IMPLS
     if args.impl not in IMPLS:

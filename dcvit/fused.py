@@ -95,6 +95,12 @@ def _triton_kernel():
 
 # --------------------------------------------------------------------------- matrices
 
+def _outer_sum(w1: Tensor, w2: Tensor) -> Tensor:
+    """``sum_r w1[..., r, g] w2[..., r, h]`` (..., H, H): broadcast products, since a batched
+    matmul of thousands of (H, R) @ (R, H) blocks is slow on CPU."""
+    return (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)
+
+
 def compose_matrices(num_heads: int,
                      qw1: Optional[Tensor], qw2: Optional[Tensor],
                      kw1: Optional[Tensor], kw2: Optional[Tensor],
@@ -112,12 +118,12 @@ def compose_matrices(num_heads: int,
         mq = mq + static.to(dtype)
     mq = mq.view(1, 1, num_heads, num_heads)
     if qw1 is not None and qw2 is not None:
-        mq = mq + qw1.to(dtype).transpose(-1, -2) @ qw2.to(dtype)            # (B, T, H, H)
+        mq = mq + _outer_sum(qw1.to(dtype), qw2.to(dtype))                   # (B, T, H, H)
     if qdd is not None:
         mq = mq + torch.diag_embed(qdd.to(dtype))                            # (B, T, H, H)
     mk: Optional[Tensor] = None
     if kw1 is not None and kw2 is not None:
-        mk = kw1.to(dtype).transpose(-1, -2) @ kw2.to(dtype)                 # (B, S, H, H)
+        mk = _outer_sum(kw1.to(dtype), kw2.to(dtype))                        # (B, S, H, H)
     if kdd is not None:
         gate = torch.diag_embed(kdd.to(dtype))                               # (B, S, H, H)
         mk = gate if mk is None else mk + gate

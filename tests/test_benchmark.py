@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dcvit.benchmark import main
+from dcvit.benchmark import run
 
 TINY = ["--model", "dcvit_tiny_patch16_224", "--img-size", "32", "--depth", "1", "--batch-size", "2",
         "--steps", "1", "--warmup", "0", "--no-compile"]
@@ -11,7 +11,7 @@ TINY = ["--model", "dcvit_tiny_patch16_224", "--img-size", "32", "--depth", "1",
 
 def test_model_benchmark_writes_json(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    main(TINY + ["--no-memory", "--json", str(out)])
+    run(TINY + ["--no-memory", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["baseline"] == "vit_tiny_patch16_224"
     assert set(data["figures"]) == {"inference/fp32/eager/b2", "train/fp32/eager/b2"}
@@ -26,7 +26,7 @@ def test_model_benchmark_writes_json(tmp_path, capsys):
 @pytest.mark.multiprocess
 def test_memory_figure_runs_in_child_processes(tmp_path):
     out = tmp_path / "bench.json"
-    main(TINY + ["--modes", "inference", "--mem-batch-size", "2", "--json", str(out)])
+    run(TINY + ["--modes", "inference", "--mem-batch-size", "2", "--json", str(out)])
     fig = json.loads(out.read_text())["figures"]["memory/fp32/eager/b2"]
     assert fig["dcvit_bytes"] > 0 and fig["vit_bytes"] > 0
     assert fig["ratio"] == pytest.approx(fig["dcvit_bytes"] / fig["vit_bytes"])
@@ -34,7 +34,7 @@ def test_memory_figure_runs_in_child_processes(tmp_path):
 
 def test_layer_benchmark_writes_json(tmp_path):
     out = tmp_path / "layer.json"
-    main(["--layer", "--batch-size", "2", "--tokens", "9", "--dim", "24", "--heads", "3", "--steps", "1",
+    run(["--layer", "--batch-size", "2", "--tokens", "9", "--dim", "24", "--heads", "3", "--steps", "1",
           "--warmup", "0", "--dtypes", "fp32,bf16", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["shape"] == {"B": 2, "N": 9, "dim": 24, "H": 3}
@@ -45,6 +45,6 @@ def test_layer_benchmark_writes_json(tmp_path):
 
 def test_bad_arguments_name_the_fix():
     with pytest.raises(SystemExit, match="unknown dtype 'fp16'.*choose from"):
-        main(["--dtypes", "fp16"])
+        run(["--dtypes", "fp16"])
     with pytest.raises(SystemExit, match="unknown --impl 'fast'"):
-        main(["--impl", "fast"])
+        run(["--impl", "fast"])
