@@ -385,7 +385,9 @@ def report_png(report: Report) -> bytes:
         ax.set_ylabel("top-1 (%)" if with_acc else "GMACs")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("measured accuracy vs size" if with_acc else "parameters vs GMACs (fvcore, batch 1)")
+    datasets = sorted({str(r["dataset"]) for r in with_acc if r.get("dataset")})
+    on = f" on {', '.join(datasets)}" if datasets else ""
+    fig.suptitle(f"measured top-1{on} vs size" if with_acc else "parameters vs GMACs (fvcore, batch 1)")
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
