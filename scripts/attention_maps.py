@@ -2,15 +2,16 @@
 """Per-head attention maps of one image, before and after DCMHA's post-compose, as a PNG.
 
     python scripts/attention_maps.py --model dcvit_tiny --out maps.png
-    python scripts/attention_maps.py --checkpoint RUN_DIR/ckpt-e0015-u00000345.pth --digit 7 --out maps.png
+    python scripts/attention_maps.py --checkpoint runs/quickstart/dcvit_tiny --digit 7 --out maps.png
     python scripts/attention_maps.py --model dcvit_small --image cat.jpg --layer 5 --query 0 --out maps.png
 
 Rows of the figure: the attention weights of one query token (default: CLS) over the patch
 tokens, reshaped to the patch grid, per head, before post-compose (plain softmax weights),
 after it (what DCMHA actually uses), and their difference. The first column is the input.
 
-Without ``--image`` the input is a scikit-learn digit (``--digit INDEX``), upscaled. With
-``--checkpoint`` the model name and ``model_kwargs`` come from a ``config.yaml`` beside the
+Without ``--image`` the input is a scikit-learn digit (``--digit INDEX``), upscaled.
+``--checkpoint`` takes a weights file or a training run directory (its newest
+``ckpt-e*-u*.pth``). With a checkpoint the model name and ``model_kwargs`` come from a ``config.yaml`` beside the
 checkpoint when present (as written by ``python -m train_imagenet``; else from the
 checkpoint's own ``arch`` entry); ``--model`` and ``--model-kwargs key=value ...`` override
 them. ``num_classes`` defaults to the size of the checkpoint's classifier, the input
@@ -21,6 +22,7 @@ weights left at their initialisation.
 """
 import argparse
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +39,7 @@ import dcvit
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prepare_digits import digit_image  # noqa: E402
 
-__all__ = ["parse_model_kwargs", "read_run_config", "resolve_model", "build_model", "load_image", "query_maps",
+__all__ = ["parse_model_kwargs", "find_checkpoint", "read_run_config", "resolve_model", "build_model", "load_image", "query_maps",
            "plot_maps", "figure_size", "main"]
 
 CELL_INCHES = 1.7
@@ -61,6 +63,26 @@ def _unwrap(state: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(state.get(key), dict):
             state = state[key]
     return state
+
+
+_CKPT = re.compile(r"ckpt-e(\d+)-u(\d+)\.pth$")
+
+
+def find_checkpoint(path: Path) -> Path:
+    """``path`` itself if it is a file; for a run directory its newest training checkpoint
+    (``ckpt-e{epoch}-u{update}.pth``, highest update), else its only ``*.safetensors``."""
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    found = sorted((int(m.group(2)), p) for p in path.glob("ckpt-*.pth") if (m := _CKPT.search(p.name)))
+    if found:
+        return found[-1][1]
+    weights = sorted(path.glob("*.safetensors"))
+    if len(weights) == 1:
+        return weights[0]
+    raise FileNotFoundError(f"run directory {str(path)!r} has no ckpt-e*-u*.pth and "
+                            f"{len(weights)} .safetensors files; pass the weights file itself")
 
 
 def read_run_config(checkpoint: Path, state: Dict[str, Any]) -> Dict[str, Any]:
@@ -258,7 +280,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model-kwargs", nargs="*", default=[], metavar="KEY=VALUE",
                         help="timm.create_model kwargs, e.g. img_size=32 patch_size=4")
     parser.add_argument("--checkpoint", type=Path, default=None,
-                        help=".safetensors or .pth weights (ViT or DCViT)")
+                        help=".safetensors or .pth weights (ViT or DCViT), or a training run "
+                             "directory (its newest ckpt-*.pth)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--image", type=Path, default=None, help="an image file")
     source.add_argument("--digit", type=int, default=0,
@@ -272,6 +295,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     try:
+        if args.checkpoint is not None:
+            args.checkpoint = find_checkpoint(args.checkpoint)
         state = dcvit.read_state_dict(args.checkpoint) if args.checkpoint is not None else None
         run = read_run_config(args.checkpoint, state) if args.checkpoint is not None else {}
         name, kwargs = resolve_model(args.model, parse_model_kwargs(args.model_kwargs),

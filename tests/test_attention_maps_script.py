@@ -131,6 +131,18 @@ def test_training_checkpoint_arch_and_ema(tmp_path):
         am.build_model(name, kwargs, tmp_path / "no_ema.pth", ema=True)
 
 
+def test_run_directory_means_its_newest_checkpoint(tmp_path):
+    for name in ("ckpt-e0002-u00000040.pth", "ckpt-e0010-u00000200.pth", "ckpt-e0009-u00000180.pth"):
+        (tmp_path / name).write_bytes(b"")
+    assert am.find_checkpoint(tmp_path).name == "ckpt-e0010-u00000200.pth"
+    assert am.find_checkpoint(tmp_path / "ckpt-e0002-u00000040.pth").name == "ckpt-e0002-u00000040.pth"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no ckpt-e"):
+        am.find_checkpoint(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        am.find_checkpoint(tmp_path / "missing")
+
+
 def test_num_classes_from_checkpoint_without_config(tmp_path):
     model = timm.create_model("dcvit_tiny", num_classes=7, **TINY)
     dcvit.save_weights(model, tmp_path / "w.safetensors")
