@@ -25,8 +25,9 @@ class Block(NamedTuple):
     slow: bool
 
 
-def python_blocks(doc: str) -> List[Block]:
-    lines = (DOCS / doc).read_text().splitlines()
+def python_blocks(doc: str, text: str = None) -> List[Block]:
+    """The ```python blocks of ``docs/<doc>`` (or of ``text``), in order."""
+    lines = ((DOCS / doc).read_text() if text is None else text).splitlines()
     blocks, i = [], 0
     while i < len(lines):
         m = FENCE.match(lines[i])
@@ -62,6 +63,14 @@ def test_python_block_runs(block: Block, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code = compile(block.code, f"{DOCS / block.doc}:{block.line}", "exec")
     exec(code, {"__name__": "__main__"})
+
+
+def test_block_parser():
+    text = "# T\n```python\na = 1\n```\n\n<!-- slow -->\n\n```python\nb = 2\nc = 3\n```\n```\nshell\n```\n"
+    blocks = python_blocks("x.md", text)
+    assert [(b.line, b.code, b.slow) for b in blocks] == [(2, "a = 1\n", False), (8, "b = 2\nc = 3\n", True)]
+    with pytest.raises(AssertionError, match="never closed"):
+        python_blocks("x.md", "```python\na = 1\n")
 
 
 def test_every_doc_has_python_blocks():
