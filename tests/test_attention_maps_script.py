@@ -200,3 +200,16 @@ def test_errors_name_the_bad_value():
         am.parse_model_kwargs(["img_size"])
     with pytest.raises(ValueError, match="--digit"):
         am.load_image(model, None, 5000)
+
+
+def test_pre_compose_only_and_register_tokens():
+    """Without post-compose the maps are softmax(scores) around pre-compose; prefix tokens
+    (CLS + registers) are left out of the patch grid."""
+    model = _trained_like(post_compose=False, reg_tokens=2)
+    _, x = am.load_image(model, None, 0)
+    maps = am.query_maps(model, x, -1, None)
+    assert maps["stage"].startswith("pre-compose") and maps["prefix"] == 3
+    assert maps["before"].shape == (3, 4, 4)
+    rec = dcvit.attention_maps(model, x)[-1]
+    after = rec["scores_after"][0, :, 0].softmax(-1)                     # (H, N), CLS query
+    torch.testing.assert_close(torch.from_numpy(maps["after"]).reshape(3, 16), after[:, 3:])
