@@ -180,8 +180,9 @@ def query_maps(model: torch.nn.Module, x: torch.Tensor, layer: int,
                query: Optional[int]) -> Dict[str, Any]:
     """Attention of one query over the patch grid, per head, before/after post-compose.
 
-    Returns ``{"name", "query", "before", "after", "stage"}`` with maps of shape
-    (H, grid_h, grid_w). Layers without post-compose show softmax of the scores before and
+    Returns ``{"name", "query", "prefix", "grid", "before", "after", "stage"}``: the layer,
+    the query token index, the number of prefix tokens (CLS, registers), the patch grid
+    (grid_h, grid_w) and the maps (H, grid_h, grid_w). Layers without post-compose show softmax of the scores before and
     after pre-compose instead (``stage`` says which).
     """
     records = dcvit.attention_maps(model, x)
