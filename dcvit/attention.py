@@ -20,7 +20,7 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .compose import compose_unchecked
-from .fused import composed_attention, composed_attention_compile, compose_matrices, select_impl
+from .fused import composed_attention, composed_attention_compile, select_impl, slot_matrices, stage_matrices
 
 __all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
 
@@ -302,8 +302,9 @@ class DCMHA(nn.Module):
         mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)               # additive or None
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.autocast(q.device.type, enabled=False):
-            pre = self._matrices(self.pre_compose, w1, w2, dd, self.pre_q_slot, self.pre_k_slot, dtype, q.device)
-            post = self._matrices(self.post_compose, w1, w2, dd, self.post_q_slot, self.post_k_slot, dtype, q.device)
+            slots = slot_matrices(w1, w2, dd, dtype)                             # (B, N, G, H, H)
+            pre = self._matrices(self.pre_compose, slots, self.pre_q_slot, self.pre_k_slot, dtype, q.device)
+            post = self._matrices(self.post_compose, slots, self.post_q_slot, self.post_k_slot, dtype, q.device)
         dropout = self.training and self.attn_drop.p > 0
         core_v = None if dropout else v
         if impl == "compile":
@@ -315,13 +316,11 @@ class DCMHA(nn.Module):
         return x
 
     @torch.jit.unused
-    def _matrices(self, stage: Optional[Compose], w1: Optional[Tensor], w2: Optional[Tensor],
-                  dd: Optional[Tensor], q_slot: int, k_slot: int, dtype: torch.dtype,
-                  device: torch.device) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    def _matrices(self, stage: Optional[Compose], slots: Optional[Tensor], q_slot: int, k_slot: int,
+                  dtype: torch.dtype, device: torch.device) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         if stage is None:
             return None, None
-        qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, q_slot, k_slot)
-        return compose_matrices(self.num_heads, qw1, qw2, kw1, kw2, qdd, kdd, stage.static, dtype, device)
+        return stage_matrices(slots, q_slot, k_slot, stage.static, self.num_heads, dtype, device)
 
     @torch.jit.unused
     def as_mha(self) -> Attention:

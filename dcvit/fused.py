@@ -29,7 +29,8 @@ from typing import Iterator, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["IMPLS", "attention_impl", "select_impl", "compose_matrices", "mix",
+__all__ = ["IMPLS", "attention_impl", "select_impl", "compose_matrices", "slot_matrices",
+           "stage_matrices", "mix",
            "composed_attention", "composed_attention_compile"]
 
 IMPLS = ("auto", "reference", "torch", "cpp", "triton", "compile")
@@ -127,6 +128,35 @@ def compose_matrices(num_heads: int,
     if kdd is not None:
         gate = torch.diag_embed(kdd.to(dtype))                               # (B, S, H, H)
         mk = gate if mk is None else mk + gate
+    return mq, mk
+
+
+def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
+                  dtype: torch.dtype) -> Optional[Tensor]:
+    """The dynamic part of every slot's matrix at once, in a few large ops.
+
+    w1, w2 (B, N, G, R, H) and dd (B, N, G, H) from `DynamicWeights` (either pair may be
+    None) -> (B, N, G, H, H): ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, or None.
+    """
+    m: Optional[Tensor] = None
+    if w1 is not None and w2 is not None:
+        m = _outer_sum(w1.to(dtype), w2.to(dtype))                           # (B, N, G, H, H)
+    if dd is not None:
+        gate = torch.diag_embed(dd.to(dtype))                                # (B, N, G, H, H)
+        m = gate if m is None else m + gate
+    return m
+
+
+def stage_matrices(slots: Optional[Tensor], q_slot: int, k_slot: int, static: Optional[Tensor],
+                   num_heads: int, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """One stage's ``(mq, mk)`` as in `compose_matrices`, from `slot_matrices` (slot -1: absent)."""
+    base = torch.eye(num_heads, dtype=dtype, device=device)                  # (H, H)
+    if static is not None:
+        base = base + static.to(dtype)
+    mq = base.view(1, 1, num_heads, num_heads)
+    if slots is not None and q_slot >= 0:
+        mq = slots[:, :, q_slot] + mq                                        # (B, T, H, H)
+    mk = slots[:, :, k_slot] if slots is not None and k_slot >= 0 else None  # (B, S, H, H)
     return mq, mk
 
 

@@ -1,4 +1,4 @@
-"""C++/OpenMP kernel for the fused compose -> mask -> softmax -> compose rows on CPU.
+"""C++ kernel (threads + OpenMP SIMD) for the fused compose -> mask -> softmax -> compose rows on CPU.
 
 Plain C++ (no torch headers, so it builds in about a second) compiled on first use with
 the system's ``g++`` into ``$DCVIT_KERNEL_CACHE`` (default ``~/.cache/dcvit``) and called
@@ -29,10 +29,11 @@ __all__ = ["load", "SOURCE"]
 SOURCE = r"""
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
-#include <omp.h>
+#include <thread>
 
 namespace {
 
@@ -149,6 +150,19 @@ void scatter(const T* src, T* dst, int64_t hs, int64_t H, int64_t S) {
   for (int64_t h = 0; h < H; ++h) std::memcpy(dst + h * hs, src + h * S, sizeof(T) * S);
 }
 
+// Run fn(begin, end, tid) over [0, rows) split in nthreads contiguous ranges. Plain threads
+// rather than OpenMP: a second OpenMP runtime beside torch's would keep spinning after each
+// call and starve torch's own threads on the same cores.
+template <typename F>
+void parallel_rows(int64_t rows, int nthreads, F fn) {
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(nthreads, rows));
+  std::vector<std::thread> pool;
+  for (int64_t k = 1; k < n; ++k)
+    pool.emplace_back(fn, rows * k / n, rows * (k + 1) / n, k);
+  fn(0, rows / n, 0);
+  for (auto& th : pool) th.join();
+}
+
 struct Mask {
   const void* ptr;
   int64_t sb, sh, st, ss;
@@ -169,11 +183,9 @@ template <typename T>
 void rows_forward(const T* s0, T* p2, Mask mask, const T* mq1, const T* mk1, const T* mq2,
                   const T* mk2, int64_t B, int64_t H, int64_t T_, int64_t S, int nthreads) {
   const int64_t hs = T_ * S, rows = B * T_;
-#pragma omp parallel num_threads(nthreads)
-  {
+  parallel_rows(rows, nthreads, [&](int64_t begin, int64_t end, int64_t) {
     std::vector<T> pbuf(H * S), qbuf(H * S);
-#pragma omp for schedule(static)
-    for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / T_, t = row % T_, off = (b * H * T_ + t) * S;
       T* p = pbuf.data();
       row_probs<T>(s0 + off, hs, mask, mq1 ? mq1 + row * H * H : nullptr,
@@ -184,7 +196,7 @@ void rows_forward(const T* s0, T* p2, Mask mask, const T* mq1, const T* mk1, con
       }
       scatter<T>(p, p2 + off, hs, H, S);
     }
-  }
+  });
 }
 
 template <typename T>
@@ -192,12 +204,9 @@ void rows_backward(const T* s0, const T* dp2, T* p2, T* ds0, Mask mask, const T*
                    const T* mq2, const T* mk2, T* dmq1, T* dmk1_acc, T* dmq2, T* dmk2_acc,
                    int64_t B, int64_t H, int64_t T_, int64_t S, int nthreads) {
   const int64_t hs = T_ * S, rows = B * T_, hhs = H * H * S;
-#pragma omp parallel num_threads(nthreads)
-  {
-    const int64_t tid = omp_get_thread_num();
+  parallel_rows(rows, nthreads, [&](int64_t begin, int64_t end, int64_t tid) {
     std::vector<T> pbuf(H * S), qbuf(H * S), dbuf(H * S);
-#pragma omp for schedule(static)
-    for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t row = begin; row < end; ++row) {
       const int64_t b = row / T_, t = row % T_, off = (b * H * T_ + t) * S;
       const T* mq1r = mq1 ? mq1 + row * H * H : nullptr;
       const T* mk1b = mk1 ? mk1 + b * hhs : nullptr;
@@ -234,7 +243,7 @@ void rows_backward(const T* s0, const T* dp2, T* p2, T* ds0, Mask mask, const T*
         scatter<T>(dp, ds0 + off, hs, H, S);
       }
     }
-  }
+  });
 }
 
 }  // namespace
@@ -276,7 +285,7 @@ def _cpu_flags() -> List[str]:
 def _build(cache_dir: str) -> str:
     """Compile SOURCE into cache_dir (atomically) unless already there; return the .so path."""
     cxx = os.environ.get("CXX", "g++")
-    flags = ["-O3", "-fno-trapping-math", "-shared", "-fPIC", "-fopenmp", "-std=c++17"] + _cpu_flags()
+    flags = ["-O3", "-fno-trapping-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=c++17"] + _cpu_flags()
     tag = hashlib.sha1((SOURCE + cxx + " ".join(flags)).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir, f"dcvit_compose_cpu_{tag}.so")
     if os.path.exists(path):
