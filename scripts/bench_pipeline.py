@@ -1,0 +1,104 @@
+#!/usr/bin/env python
+"""Training-pipeline overhead: train_imagenet's epoch loop on WebDataset shards vs a bare loop.
+
+Both sides train the same model with the same optimizer, loss and batch size, alternating in
+one process (SPEC §5): the bare loop feeds batches that were decoded and transformed in
+advance and held in memory; the pipeline reads the shards, decodes, transforms, shuffles and
+batches them with DataLoader workers, runs mixup-free steps through `train_one_epoch`
+(scheduler, loss sync, checkpoint hook). The ratio of their images/s is the overhead.
+
+    python scripts/bench_pipeline.py --shards DIR [--model dcvit_tiny] [--repeats 3]
+    python scripts/bench_pipeline.py --make-digits /tmp/digits_shards   # writes the shards first
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def make_digits(out: str) -> str:
+    """sklearn digits as 32x32 PNG shards (1797 images, 6 train shards)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from train_helpers import digits, write_shards
+    x, y = digits()
+    write_shards(out, "train", x, y, 300)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", help="directory with train-*.tar shards")
+    p.add_argument("--make-digits", metavar="DIR", help="write digits shards to DIR and use them")
+    p.add_argument("--model", default="dcvit_tiny")
+    p.add_argument("--model-kwargs", default="{img_size: 32, patch_size: 8, depth: 4, embed_dim: 128, num_heads: 4}")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="alternating (bare, pipeline) rounds")
+    args = p.parse_args()
+    shards = make_digits(args.make_digits) if args.make_digits else args.shards
+    if not shards:
+        p.error("give --shards DIR or --make-digits DIR")
+    torch.set_num_threads(args.threads)
+
+    import dcvit  # noqa: F401
+    from train_imagenet.__main__ import build_model
+    from train_imagenet.config import load_config
+    from train_imagenet.data import build_data
+    from train_imagenet.engine import StepOptions, train_one_epoch
+    from timm.optim import create_optimizer_v2
+    from timm.scheduler import create_scheduler_v2
+
+    cfg = load_config(None, [f"model={args.model}", f"model_kwargs={args.model_kwargs}",
+                             f"data.train={shards}", f"data.val={shards}", "data.num_classes=10",
+                             "data.img_size=32", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]",
+                             f"data.num_workers={args.workers}", "data.shuffle_buffer=500",
+                             "aug.auto_augment=null", "aug.reprob=0", "aug.mixup=0", "aug.cutmix=0",
+                             "aug.scale=[0.85,1.0]", "aug.smoothing=0", "drop_path=0",
+                             f"batch_size={args.batch_size}"])
+    pipe = build_data(cfg, "train")
+    model = build_model(cfg)
+    opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
+    sched, _ = create_scheduler_v2(opt, sched="cosine", num_epochs=1000, step_on_epochs=False,
+                                   updates_per_epoch=pipe.batches_per_epoch)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    batches = [(x, y) for x, y, _ in pipe.loader(0)]     # decoded + transformed once, in memory
+    n_img = sum(len(y) for _, y in batches)
+
+    def bare() -> float:
+        model.train()
+        t = time.perf_counter()
+        for x, y in batches:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return n_img / (time.perf_counter() - t)
+
+    def pipeline(epoch: int) -> float:
+        stats = train_one_epoch(model, pipe, epoch, optimizer=opt, scheduler=sched, loss_fn=loss_fn,
+                                device=torch.device("cpu"), opts=StepOptions(), update=0)
+        return stats["img_per_s"]
+
+    bare()  # warm-up
+    results = {"bare": [], "pipeline": []}
+    for r in range(args.repeats):
+        results["bare"].append(bare())
+        results["pipeline"].append(pipeline(r + 1))
+    b, q = statistics.median(results["bare"]), statistics.median(results["pipeline"])
+    print(json.dumps({"model": args.model, "model_kwargs": args.model_kwargs, "batch_size": args.batch_size,
+                      "workers": args.workers, "threads": args.threads, "images_per_epoch": n_img,
+                      "bare_img_s": round(b, 1), "pipeline_img_s": round(q, 1),
+                      "overhead_pct": round(100 * (b / q - 1), 1),
+                      "rounds": {k: [round(v, 1) for v in vs] for k, vs in results.items()}}))
+
+
+if __name__ == "__main__":
+    main()
