@@ -302,7 +302,8 @@ class DCMHA(nn.Module):
         mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)               # additive or None
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.autocast(q.device.type, enabled=False):
-            slots = slot_matrices(w1, w2, dd, dtype)                             # (B, N, G, H, H)
+            identity = [g for g in (self.pre_q_slot, self.post_q_slot) if g >= 0]
+            slots = slot_matrices(w1, w2, dd, identity, dtype)                   # (B, N, G, H, H)
             pre = self._matrices(self.pre_compose, slots, self.pre_q_slot, self.pre_k_slot, dtype, q.device)
             post = self._matrices(self.post_compose, slots, self.post_q_slot, self.post_k_slot, dtype, q.device)
         dropout = self.training and self.attn_drop.p > 0

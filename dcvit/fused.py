@@ -132,30 +132,40 @@ def compose_matrices(num_heads: int,
 
 
 def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
-                  dtype: torch.dtype) -> Optional[Tensor]:
-    """The dynamic part of every slot's matrix at once, in a few large ops.
+                  identity_slots: List[int], dtype: torch.dtype) -> Optional[Tensor]:
+    """Every slot's dynamic matrix at once, in a few large ops (each op counts on a busy CPU).
 
-    w1, w2 (B, N, G, R, H) and dd (B, N, G, H) from `DynamicWeights` (either pair may be
-    None) -> (B, N, G, H, H): ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, or None.
+    w1, w2 (B, N, G, R, H) and dd (B, N, G, H) from `DynamicWeights` (either may be None)
+    -> (B, N, G, H, H): ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity on the
+    ``identity_slots`` (the query-side slots, which carry the skip connection); or None.
     """
-    m: Optional[Tensor] = None
+    diag: Optional[Tensor] = None if dd is None else dd.to(dtype)            # (B, N, G, H)
+    if identity_slots:
+        G = (w1 if w1 is not None else dd).shape[2] if (w1 is not None or dd is not None) else 0
+        if G:
+            eye = torch.tensor([[1.0 if g in identity_slots else 0.0] for g in range(G)],
+                               dtype=dtype, device=(w1 if w1 is not None else dd).device)  # (G, 1)
+            diag = eye if diag is None else diag + eye
     if w1 is not None and w2 is not None:
         m = _outer_sum(w1.to(dtype), w2.to(dtype))                           # (B, N, G, H, H)
-    if dd is not None:
-        gate = torch.diag_embed(dd.to(dtype))                                # (B, N, G, H, H)
-        m = gate if m is None else m + gate
-    return m
+        if diag is not None:
+            m.diagonal(dim1=-2, dim2=-1).add_(diag)
+        return m
+    if dd is not None and diag is not None:
+        return torch.diag_embed(diag)                                        # (B, N, G, H, H)
+    return None
 
 
 def stage_matrices(slots: Optional[Tensor], q_slot: int, k_slot: int, static: Optional[Tensor],
                    num_heads: int, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """One stage's ``(mq, mk)`` as in `compose_matrices`, from `slot_matrices` (slot -1: absent)."""
-    base = torch.eye(num_heads, dtype=dtype, device=device)                  # (H, H)
-    if static is not None:
-        base = base + static.to(dtype)
-    mq = base.view(1, 1, num_heads, num_heads)
+    """One stage's ``(mq, mk)`` as in `compose_matrices`, from `slot_matrices` (slot -1: absent;
+    the query slot already holds the identity)."""
     if slots is not None and q_slot >= 0:
-        mq = slots[:, :, q_slot] + mq                                        # (B, T, H, H)
+        mq = slots[:, :, q_slot]                                             # (B, T, H, H)
+    else:
+        mq = torch.eye(num_heads, dtype=dtype, device=device).view(1, 1, num_heads, num_heads)
+    if static is not None:
+        mq = mq + static.to(dtype)
     mk = slots[:, :, k_slot] if slots is not None and k_slot >= 0 else None  # (B, S, H, H)
     return mq, mk
 
