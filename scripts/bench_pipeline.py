@@ -5,7 +5,9 @@ Both sides train the same model with the same optimizer, loss and batch size, al
 one process (SPEC §5): the bare loop feeds batches that were decoded and transformed in
 advance and held in memory; the pipeline reads the shards, decodes, transforms, shuffles and
 batches them with DataLoader workers, runs mixup-free steps through `train_one_epoch`
-(scheduler, loss sync, checkpoint hook). The ratio of their images/s is the overhead.
+(scheduler, loss sync, checkpoint hook). The ratio of their images/s is the overhead. A third
+timing reads the data alone (no model): how far loading outpaces training. The data
+settings (transforms, shuffle buffer) come from --config (default: the quick-start recipe).
 
     python scripts/bench_pipeline.py --shards DIR [--model dcvit_tiny] [--repeats 3]
     python scripts/bench_pipeline.py --make-digits /tmp/digits_shards   # writes the shards first
@@ -36,6 +38,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shards", help="directory with train-*.tar shards")
     p.add_argument("--make-digits", metavar="DIR", help="write digits shards to DIR and use them")
+    p.add_argument("--config", default=os.path.join(ROOT, "configs", "quickstart.yaml"),
+                   help="recipe whose data settings (transforms, shuffle buffer) are used")
     p.add_argument("--model", default="dcvit_tiny")
     p.add_argument("--model-kwargs", default="{img_size: 32, patch_size: 8, depth: 4, embed_dim: 128, num_heads: 4}")
     p.add_argument("--batch-size", type=int, default=64)
@@ -56,13 +60,10 @@ def main() -> None:
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
 
-    cfg = load_config(None, [f"model={args.model}", f"model_kwargs={args.model_kwargs}",
-                             f"data.train={shards}", f"data.val={shards}", "data.num_classes=10",
-                             "data.img_size=32", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]",
-                             f"data.num_workers={args.workers}", "data.shuffle_buffer=500",
-                             "aug.auto_augment=null", "aug.reprob=0", "aug.mixup=0", "aug.cutmix=0",
-                             "aug.scale=[0.85,1.0]", "aug.smoothing=0", "drop_path=0",
-                             f"batch_size={args.batch_size}"])
+    cfg = load_config(args.config, [f"model={args.model}", f"model_kwargs={args.model_kwargs}",
+                                    f"data.train={shards}", f"data.val={shards}",
+                                    f"data.num_workers={args.workers}", "aug.mixup=0", "aug.cutmix=0",
+                                    "aug.smoothing=0", "drop_path=0", f"batch_size={args.batch_size}"])
     pipe = build_data(cfg, "train")
     model = build_model(cfg)
     opt = create_optimizer_v2(model, opt="adamw", lr=1e-3, weight_decay=0.05)
@@ -87,16 +88,23 @@ def main() -> None:
                                 device=torch.device("cpu"), opts=StepOptions(), update=0)
         return stats["img_per_s"]
 
+    def data_only(epoch: int) -> float:
+        t = time.perf_counter()
+        n = sum(len(y) for _, y, _ in pipe.loader(epoch))
+        return n / (time.perf_counter() - t)
+
     bare()  # warm-up
-    results = {"bare": [], "pipeline": []}
+    results = {"bare": [], "pipeline": [], "data_only": []}
     for r in range(args.repeats):
         results["bare"].append(bare())
         results["pipeline"].append(pipeline(r + 1))
+        results["data_only"].append(data_only(r + 1))
     b, q = statistics.median(results["bare"]), statistics.median(results["pipeline"])
     print(json.dumps({"model": args.model, "model_kwargs": args.model_kwargs, "batch_size": args.batch_size,
                       "workers": args.workers, "threads": args.threads, "images_per_epoch": n_img,
                       "bare_img_s": round(b, 1), "pipeline_img_s": round(q, 1),
                       "overhead_pct": round(100 * (b / q - 1), 1),
+                      "data_only_img_s": round(statistics.median(results["data_only"]), 1),
                       "rounds": {k: [round(v, 1) for v in vs] for k, vs in results.items()}}))
 
 
