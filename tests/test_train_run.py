@@ -139,3 +139,28 @@ def test_bad_input_fails_before_training(data, tmp_path, capsys, args, message):
     assert _run(data, tmp_path / "x", *args) == 2
     assert message in capsys.readouterr().err
     assert not any(n.startswith("ckpt") for n in os.listdir(tmp_path / "x")) if (tmp_path / "x").exists() else True
+
+
+def test_accumulation_equals_larger_batch_and_logs_are_written(data, tmp_path):
+    plain = ["aug.no_aug=true", "aug.mixup=0", "aug.cutmix=0", "aug.smoothing=0", "drop_path=0",
+             "epochs=1"]
+    assert _run(data, tmp_path / "big", *plain, "batch_size=16") == 0
+    assert _run(data, tmp_path / "acc", *plain, "batch_size=8", "accum_steps=2") == 0
+    a, b = (load_checkpoint(list_checkpoints(str(tmp_path / d))[-1]) for d in ("big", "acc"))
+    assert a["update"] == b["update"] == 6
+    assert max((a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]) < 1e-5
+    with open(tmp_path / "acc" / "log.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["epoch"] for r in records] == [0]
+    for key in ("train_loss", "lr", "top1", "top5", "img_per_s", "epoch_time_s", "peak_mem_mb"):
+        assert key in records[0]
+    with open(tmp_path / "acc" / "summary.csv") as f:
+        header, row = f.read().strip().split("\n")
+    assert header.startswith("epoch,train_loss,lr,top1,top5") and row.startswith("0,")
+    assert os.path.exists(tmp_path / "acc" / "config.yaml")
+
+
+def test_bf16_autocast_on_cpu(data, tmp_path):
+    assert _run(data, tmp_path / "bf16", "epochs=1", "amp=bf16", "model=dcvit_tiny") == 0
+    res = _json(tmp_path / "bf16" / "eval.json")
+    assert res["model"] == "dcvit_tiny" and res["num_samples"] == 53 and 0 <= res["top1"] <= 100
