@@ -18,6 +18,7 @@ skipped just before it, so the trainer can count them across workers.
 """
 import io
 import json
+import logging
 import os
 import random
 import tarfile
@@ -38,6 +39,7 @@ __all__ = ["DataError", "Source", "resolve_source", "count_samples", "build_tran
            "ShardStream", "DataPipe", "build_data"]
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+_logger = logging.getLogger(__name__)
 
 
 def _patch_posterize() -> None:
@@ -387,6 +389,11 @@ def build_data(cfg: Config, split: str, rank: int = 0, world_size: int = 1,
     else:
         batches = -(-num_samples // (b * world_size))  # an upper bound; evaluation runs to the end
     if source.kind == "wds":
+        slots = world_size * max(cfg.data.num_workers, 1)
+        if training and len(source.shards) < slots and rank == 0:
+            _logger.warning("%s has %d shards for %d (rank, worker) slots: some shards are read by "
+                            "several slots, so samples repeat within an epoch; write more, smaller "
+                            "shards (make_wds_shards.py --shard-size)", key, len(source.shards), slots)
         ds = ShardStream(source.shards, transform, rank=rank, world_size=world_size,
                          seed=cfg.seed, quota=batches * b if training else None, batch_size=b,
                          shuffle_buffer=cfg.data.shuffle_buffer if training else 0,
