@@ -1,5 +1,6 @@
 """End-to-end runs of `python -m train_imagenet` in this process (one rank, CPU): evaluation
 against a hand count, resume equivalence, and the errors raised before training starts."""
+import importlib.util
 import json
 import os
 import shutil
@@ -134,6 +135,9 @@ def test_wrong_architecture_checkpoint(data, tmp_path, capsys):
     (["data.img_size=64"], "set model_kwargs.img_size=64"),
     (["model=vit_tiny_patch16_22"], "did you mean 'vit_tiny_patch16_224'"),
     (["amp=fp16"], "amp=fp16 needs a CUDA device"),
+    pytest.param(["tensorboard=true"], "needs the tensorboard package", marks=pytest.mark.skipif(
+        importlib.util.find_spec("tensorboard") is not None,
+        reason="tensorboard is installed")),
 ])
 def test_bad_input_fails_before_training(data, tmp_path, capsys, args, message):
     assert _run(data, tmp_path / "x", *args) == 2

@@ -9,6 +9,7 @@ fail (data paths, sample counts, classes, checkpoint architecture) runs before t
 """
 import argparse
 import difflib
+import importlib.util
 import math
 import os
 import sys
@@ -98,6 +99,9 @@ def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) 
 
 
 def run(cfg: Config) -> int:
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("tensorboard=true needs the tensorboard package: "
+                          "pip install 'dcvit[tensorboard]' (or set tensorboard=false)")
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     info = init_distributed(cfg.device)
