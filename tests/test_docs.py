@@ -110,8 +110,9 @@ def test_links_resolve(doc):
             assert anchor in _anchors(file), f"{doc}: no heading for anchor {link!r} in {file.name}"
 
 
-def test_compose_figure_is_small_valid_png():
-    png = DOCS / "figures" / "compose.png"
+@pytest.mark.parametrize("name", ["compose.png", "attention_maps_digit.png"])
+def test_figures_are_small_valid_pngs(name):
+    png = DOCS / "figures" / name
     assert png.stat().st_size < 300 * 1024
     with Image.open(png) as img:
         img.verify()
