@@ -162,7 +162,6 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
     device, run_dir = info.device, cfg.output_dir
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
-    ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup) if cfg.ema.enabled else None
     global_batch = cfg.batch_size * cfg.accum_steps * info.world_size
     lr = cfg.optim.lr * (global_batch / cfg.optim.lr_batch_size if cfg.optim.lr_batch_size else 1.0)
     opt_kwargs: Dict[str, Any] = {}
@@ -198,8 +197,6 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         state = load_checkpoint(path)
         check_arch(state, _arch(cfg), path)
         load_model_weights(model, state["model"], path)
-        if ema is not None and state.get("ema") is not None:
-            load_model_weights(ema.module, state["ema"], path, what="EMA")
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         if scaler is not None and state.get("scaler"):
@@ -217,6 +214,11 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         state = load_checkpoint(cfg.checkpoint)
         check_arch(state, _arch(cfg), cfg.checkpoint)
         load_model_weights(model, state.get("model", state), cfg.checkpoint)
+    ema = None  # made after loading, so it starts from the loaded weights
+    if cfg.ema.enabled:
+        ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup)
+        if resumed_from and state.get("ema") is not None:
+            load_model_weights(ema.module, state["ema"], resumed_from, what="EMA")
     if rng_state is None:
         _seed_all(cfg.seed * 1000 + info.rank + 1 + epoch)
     scheduler.step_update(update)
