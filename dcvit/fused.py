@@ -12,7 +12,7 @@ per-token matrix (`compose_matrices`). The attention core
 (`composed_attention`) that saves only q, k, v and the matrices and recomputes the
 (B, H, T, S) maps in backward, flash-style, row by row of all heads together:
 
-* ``"cpp"``:    rows in a C++/OpenMP kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64;
+* ``"cpp"``:    rows in a C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64 (bf16 in fp32);
 * ``"triton"``: forward rows in a Triton kernel (`dcvit.kernels.compose_triton`), CUDA;
 * ``"torch"``:  the same maths in PyTorch ops, over chunks of queries (any device);
 * ``"compile"``: plain differentiable PyTorch written for inductor to fuse (used
