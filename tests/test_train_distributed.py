@@ -3,8 +3,10 @@ batch; a worker killed mid-epoch and restarted by torchrun ends where an uninter
 ends; two torchrun agents (--nnodes=2) rendezvous on localhost and train together."""
 import json
 import os
+import signal
 import socket
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -36,11 +38,16 @@ def _torchrun(launcher, args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "train_imagenet", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            text=True, start_new_session=True)
 
 
-def _finish(proc, timeout=600):
-    out, _ = proc.communicate(timeout=timeout)
+def _finish(proc, timeout=420):
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)            # the agent and its workers, nothing else
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-4000:]}")
     assert proc.returncode == 0, out[-4000:]
     return out
 
@@ -55,8 +62,24 @@ def _json(path):
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("digits"))
+def private_tmp():
+    """A temporary directory outside pytest's numbered ones, which a concurrent pytest session
+    of the same user may delete while these minute-long runs still use them."""
+    with tempfile.TemporaryDirectory(prefix="train_imagenet_mp_") as d:
+        yield d
+
+
+@pytest.fixture
+def tmp_path(private_tmp, request):
+    import pathlib
+    path = pathlib.Path(private_tmp) / request.node.name
+    path.mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def shards(private_tmp):
+    root = os.path.join(private_tmp, "digits")
     x, y = digits(149)
     write_shards(root, "train", x[:96], y[:96], 24)      # 4 shards
     write_shards(root, "val", x[96:], y[96:], 20)        # 53 samples in 3 shards
@@ -64,9 +87,10 @@ def shards(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(shards, tmp_path_factory):
+def reference(shards, private_tmp):
     """An uninterrupted 2-process run on the shards, with every source of randomness on."""
-    out = tmp_path_factory.mktemp("reference")
+    import pathlib
+    out = pathlib.Path(private_tmp) / "reference"
     _finish(_torchrun(["--standalone", "--nproc_per_node=2"],
                       [f"data.train={shards}", f"data.val={shards}", f"output_dir={out}", *TINY, *AUG]))
     return out

@@ -309,18 +309,22 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Exit codes: 0 done, 2 bad config/data/checkpoint, 3 non-finite loss. Those errors are
+    raised on every rank alike, so the process group is closed cleanly; any other exception
+    propagates without closing it (closing could wait forever for a peer blocked in a
+    collective), and torchrun then stops the remaining ranks."""
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides + (["eval_only=true"] if args.eval_only else []))
-        return run(cfg)
+        code = run(cfg)
     except NonFiniteLoss as e:
         print(f"error: {e}", file=sys.stderr)
-        return 3
+        code = 3
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        shutdown()
+        code = 2
+    shutdown()
+    return code
 
 
 if __name__ == "__main__":
