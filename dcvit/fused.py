@@ -65,7 +65,8 @@ def _is_fx_tracing() -> bool:
 def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
     """The attention core to run for input ``x``: forced (context, then layer) or automatic.
 
-    Automatic: FX tracing -> ``reference``; inside ``torch.compile`` -> ``compile``;
+    Automatic: FX or ``torch.jit.trace`` tracing (fvcore traces) -> ``reference``; inside
+    ``torch.compile`` -> ``compile``;
     CUDA -> ``triton`` when Triton imports; CPU float32/float64/bfloat16 -> ``cpp`` when the
     kernel builds; otherwise ``torch``.
     """
@@ -73,7 +74,7 @@ def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
     _check_impl(name)
     if name != "auto":
         return name
-    if _is_fx_tracing():
+    if _is_fx_tracing() or torch.jit.is_tracing():
         return "reference"
     if torch.compiler.is_compiling():
         return "compile"

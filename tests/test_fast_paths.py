@@ -319,3 +319,17 @@ def test_triton_kernel_under_interpreter():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_jit_trace_selects_the_reference_core():
+    """fvcore and torch.jit.trace record ops: the fast cores would hide them."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(fused.select_impl("auto", x, False))
+            return x * 2
+
+    torch.jit.trace(Probe(), torch.randn(2), check_trace=False)
+    assert seen and set(seen) == {"reference"}
+    assert fused.select_impl("auto", torch.randn(2), False) != "reference"
