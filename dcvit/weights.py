@@ -1,6 +1,5 @@
 """Saving and loading model weights: safetensors for publishing, `.pth` read safely."""
 import os
-import tempfile
 from pathlib import Path
 from typing import Dict, Union
 
@@ -8,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .io import atomic_write
 from .models import checkpoint_filter_fn
 
 __all__ = ["save_weights", "load_weights", "read_state_dict"]
@@ -17,18 +17,8 @@ PathLike = Union[str, os.PathLike]
 
 def save_weights(model: nn.Module, path: PathLike) -> Path:
     """Write ``model``'s state dict as safetensors, atomically (temp file + rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
 def read_state_dict(path: PathLike) -> Dict[str, torch.Tensor]:

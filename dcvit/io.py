@@ -1,0 +1,47 @@
+"""Atomic file writes: a reader never sees a half-written file under the final name."""
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Union
+
+__all__ = ["atomic_write", "write_text", "write_json"]
+
+PathLike = Union[str, os.PathLike]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: PathLike, write: Callable[[str], Any]) -> Path:
+    """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it to ``path``.
+
+    The temporary file is removed if ``write`` raises; the final file gets the usual
+    permissions (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text(path: PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically."""
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_json(path: PathLike, obj: Any, indent: int = 2) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically."""
+    return write_text(path, json.dumps(obj, indent=indent) + "\n")
