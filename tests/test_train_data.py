@@ -138,3 +138,54 @@ def test_imagefolder_fallback(tmp_path):
     assert sorted(seen) == sorted(int(v) for v in y[40:])
     pipe = build_data(cfg, "train", 1, 2)
     assert sum(1 for _ in pipe.loader(0)) == pipe.batches_per_epoch == 20 // 8
+
+
+@pytest.mark.parametrize("world, workers", [(1, 0), (2, 0), (2, 2)])
+def test_corrupt_train_samples_are_replaced_and_counted(tmp_path, world, workers):
+    """Every rank still yields exactly batches_per_epoch full batches (an odd number of corrupt
+    samples, more than a batch of them in one shard), and the skips are reported."""
+    x, y = digits(150)
+    corrupt = {0, 1, 2, 3, 4, 5, 6, 7, 8, 40, 77}                  # 11: odd, > batch_size
+    write_shards(str(tmp_path), "train", x, y, 30, corrupt=corrupt)
+    cfg = _cfg(str(tmp_path), str(tmp_path), f"data.num_workers={workers}")
+    good = collections.Counter(int(v) for i, v in enumerate(y) if i not in corrupt)
+    total_skipped = 0
+    for rank in range(world):
+        pipe = build_data(cfg, "train", rank, world)
+        assert pipe.batches_per_epoch == (150 // world) // 8
+        sizes, labels, skipped = [], [], 0
+        for xb, yb, s in pipe.loader(0):
+            sizes.append(len(yb))
+            labels += yb.tolist()
+            skipped += int(s)
+        assert sizes == [8] * pipe.batches_per_epoch, f"rank {rank}: batch sizes {sizes}"
+        assert collections.Counter(labels) <= good + good        # at most two passes, no corrupt
+        total_skipped += skipped
+    assert total_skipped >= len(corrupt) // world                 # every pass meets some of them
+
+
+def test_corrupt_train_images_in_folder_are_replaced(tmp_path):
+    x, y = digits(40)
+    write_folder(str(tmp_path / "train"), x, y)
+    bad = sorted(str(p) for p in (tmp_path / "train").rglob("*.png"))[:3]
+    for p in bad:
+        with open(p, "wb") as f:
+            f.write(b"not an image")
+    cfg = _cfg(str(tmp_path / "train"), str(tmp_path / "train"))
+    pipe = build_data(cfg, "train")
+    sizes, skipped = [], 0
+    for xb, yb, s in pipe.loader(0):
+        sizes.append(len(yb))
+        skipped += int(s)
+    assert sizes == [8] * pipe.batches_per_epoch == [8] * 5
+    assert skipped >= 1                       # 3 corrupt of 40, 40 drawn: at least one met
+    labels, skipped = _labels(build_data(cfg, "val"))
+    assert len(labels) == 37 and skipped == 3                      # evaluation drops them
+
+
+def test_all_corrupt_train_shards_fail_instead_of_hanging(tmp_path):
+    x, y = digits(20)
+    write_shards(str(tmp_path), "train", x, y, 20, corrupt=set(range(20)))
+    cfg = _cfg(str(tmp_path), str(tmp_path))
+    with pytest.raises(DataError, match="no readable sample"):
+        _labels(build_data(cfg, "train"))

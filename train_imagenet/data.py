@@ -13,8 +13,10 @@ all ranks and workers (split by shard, or by sample index when there are fewer s
 slots) and never pad, so metrics are exact with an uneven last batch.
 
 All randomness of the data order comes from ``(seed, epoch, rank, worker)``: a run restarted
-mid-epoch replays the same batches. Every sample carries the number of corrupt samples
-skipped just before it, so the trainer can count them across workers.
+mid-epoch replays the same batches. A corrupt training sample is replaced by the next
+readable one (the shard stream cycles; an ImageFolder reads the next index), so batches stay
+full and the per-rank count holds; a corrupt evaluation sample is dropped. Every sample carries
+the number of corrupt samples skipped just before it, so the trainer can count them.
 """
 import io
 import json
@@ -232,9 +234,35 @@ class ShardStream(IterableDataset):
 
     def __iter__(self) -> Iterator[Tuple[Any, int, int]]:
         wid, nw = self._worker()
-        raw = self._train_samples(wid, nw) if self.quota is not None else self._eval_samples(wid, nw)
-        skipped = 0
+        if self.quota is None:  # evaluation: every sample once; corrupt ones are dropped
+            yield from self._decoded(self._eval_samples(wid, nw))
+            return
+        quota = self._worker_quota(wid, nw)
+        if quota == 0:
+            return
+        # the training stream is endless, so a corrupt sample is replaced by the next one and
+        # this worker yields exactly its quota (whole batches) whatever it skipped
+        for produced, item in enumerate(self._decoded(self._train_samples(wid, nw)), start=1):
+            yield item
+            if produced >= quota:
+                return
+
+    def _worker_quota(self, wid: int, nw: int) -> int:
+        """This worker's share of the rank's batches, in samples (whole batches)."""
+        batches = self.quota // self.batch_size
+        return (batches // nw + (wid < batches % nw)) * self.batch_size
+
+    def _decoded(self, raw: Iterator[Optional[Dict[str, Any]]]) -> Iterator[Tuple[Any, int, int]]:
+        """(image, label, skipped) from raw samples; None in `raw` marks the end of a pass."""
+        skipped, good_in_pass = 0, 0
         for sample in raw:
+            if sample is None:
+                if good_in_pass == 0:
+                    raise DataError(f"no readable sample in a whole pass over this worker's shards "
+                                    f"({skipped} corrupt, e.g. {self.shards[0]!r}); re-write them "
+                                    f"with scripts/make_wds_shards.py")
+                good_in_pass = 0
+                continue
             try:
                 img, label = _decode(sample)
             except Exception as e:  # PIL raises many types for broken files
@@ -243,6 +271,7 @@ class ShardStream(IterableDataset):
                                     f"(set data.on_corrupt=skip to skip and count such samples)") from e
                 skipped += 1
                 continue
+            good_in_pass += 1
             yield self.transform(img), label, skipped
             skipped = 0
 
@@ -259,13 +288,10 @@ class ShardStream(IterableDataset):
                     yield sample
                 index += 1
 
-    def _train_samples(self, wid: int, nw: int) -> Iterator[Dict[str, Any]]:
+    def _train_samples(self, wid: int, nw: int) -> Iterator[Optional[Dict[str, Any]]]:
+        """This slot's shards, reshuffled and cycled without end through the shuffle buffer;
+        None after each full pass (the buffer is drained there: no repeats inside a pass)."""
         slot, nslots = self.rank * nw + wid, self.world_size * nw
-        # this worker's share of the rank's batches, in whole batches
-        batches = self.quota // self.batch_size
-        quota = (batches // nw + (wid < batches % nw)) * self.batch_size
-        if quota == 0:
-            return
         order = list(self.shards)
         _seed(self.seed, self.epoch).shuffle(order)  # same deal on every slot
         while len(order) < nslots:
@@ -273,60 +299,61 @@ class ShardStream(IterableDataset):
         mine = order[slot::nslots]
         rng = _seed(self.seed, self.epoch, slot)
         buffer: List[Dict[str, Any]] = []
-
-        def passes() -> Iterator[Optional[Dict[str, Any]]]:
-            while True:  # one pass over this slot's shards, then None
-                rng.shuffle(mine)
-                for shard in mine:
-                    for sample in _read_tar(shard):
-                        for _ in range(self.repeats):
-                            yield sample
-                yield None
-
-        def shuffled() -> Iterator[Dict[str, Any]]:
-            for sample in passes():
-                if sample is None:  # drain at the end of a pass: no repeats inside one pass
-                    rng.shuffle(buffer)
-                    while buffer:
-                        yield buffer.pop()
-                    continue
-                buffer.append(sample)
-                if len(buffer) >= max(self.shuffle_buffer, 1):
-                    j = rng.randrange(len(buffer))
-                    buffer[j], buffer[-1] = buffer[-1], buffer[j]
-                    yield buffer.pop()
-
-        for produced, sample in enumerate(shuffled(), start=1):
-            yield sample
-            if produced >= quota:  # corrupt samples are replaced from the stream below
-                return
+        while True:
+            rng.shuffle(mine)
+            for shard in mine:
+                for sample in _read_tar(shard):
+                    for _ in range(self.repeats):
+                        buffer.append(sample)
+                        if len(buffer) >= max(self.shuffle_buffer, 1):
+                            j = rng.randrange(len(buffer))
+                            buffer[j], buffer[-1] = buffer[-1], buffer[j]
+                            yield buffer.pop()
+            rng.shuffle(buffer)
+            while buffer:
+                yield buffer.pop()
+            yield None
 
 
 class FolderDataset(Dataset):
-    """torchvision's ImageFolder that returns (image, label, skipped) and can skip corrupt files."""
+    """torchvision's ImageFolder that returns (image, label, skipped).
 
-    def __init__(self, root: str, transform: Callable, on_corrupt: str = "skip"):
+    A corrupt file fails (`on_corrupt='fail'`) or is skipped: for training (`replace=True`) the
+    next index is read instead, so every batch stays full; for evaluation None is returned and
+    the collate function drops it, so no sample is counted twice."""
+
+    def __init__(self, root: str, transform: Callable, on_corrupt: str = "skip",
+                 replace: bool = False):
         from torchvision.datasets import ImageFolder
         self.folder = ImageFolder(root)
-        self.transform, self.on_corrupt = transform, on_corrupt
+        self.transform, self.on_corrupt, self.replace = transform, on_corrupt, replace
 
     def __len__(self) -> int:
         return len(self.folder)
 
-    def __getitem__(self, i: int) -> Optional[Tuple[Any, int, int]]:
-        path, label = self.folder.samples[i]
+    def _open(self, path: str) -> Optional[Image.Image]:
         try:
             with Image.open(path) as im:
-                img = im.convert("RGB")
-        except Exception as e:
+                return im.convert("RGB")
+        except Exception as e:  # PIL raises many types for broken files
             if self.on_corrupt == "fail":
                 raise DataError(f"corrupt image {path!r}: {e} (set data.on_corrupt=skip)") from e
             return None
-        return self.transform(img), label, 0
+
+    def __getitem__(self, i: int) -> Optional[Tuple[Any, int, int]]:
+        n = len(self.folder)
+        for skipped in range(n if self.replace else 1):
+            path, label = self.folder.samples[(i + skipped) % n]
+            img = self._open(path)
+            if img is not None:
+                return self.transform(img), label, skipped
+        if self.replace:
+            raise DataError(f"no readable image in {self.folder.root!r} ({n} corrupt files)")
+        return None
 
 
 def _collate(batch: List[Optional[Tuple[Any, int, int]]]) -> Tuple[torch.Tensor, torch.Tensor, int]:
-    kept = [b for b in batch if b is not None]
+    kept = [b for b in batch if b is not None]  # None: a dropped corrupt evaluation image
     skipped = len(batch) - len(kept) + sum(b[2] for b in kept)
     if not kept:
         return torch.empty(0), torch.empty(0, dtype=torch.long), skipped
@@ -400,7 +427,7 @@ def build_data(cfg: Config, split: str, rank: int = 0, world_size: int = 1,
                          repeats=cfg.aug.repeated_aug if training else 1,
                          on_corrupt=cfg.data.on_corrupt)
         return DataPipe(ds, batches_per_epoch=batches, **common)
-    ds = FolderDataset(source.root, transform, cfg.data.on_corrupt)
+    ds = FolderDataset(source.root, transform, cfg.data.on_corrupt, replace=training)
     n = len(ds)
     if training:
         def sampler_fn(epoch: int):
