@@ -90,6 +90,12 @@ def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
     return result
 
 
+def _latest_checkpoint(run_dir: str, info: DistInfo) -> Optional[str]:
+    """The newest checkpoint in `run_dir`, named on rank 0 from a listing (nothing is loaded)
+    and broadcast, so every rank loads the same file even if their views of the disk differ."""
+    return broadcast_object(find_latest(run_dir) if info.is_main else None)
+
+
 def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) -> Dict[str, Any]:
     return {"model": cfg.model, "top1": metrics["top1"], "top5": metrics["top5"],
             "num_samples": metrics["num_samples"], "loss": metrics["loss"],
@@ -130,7 +136,7 @@ def run(cfg: Config) -> int:
 
 
 def _evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info: DistInfo) -> int:
-    path = cfg.checkpoint or find_latest(cfg.output_dir)
+    path = cfg.checkpoint or _latest_checkpoint(cfg.output_dir, info)
     if not path:
         raise CheckpointError(f"eval_only needs checkpoint=PATH (no checkpoint in {cfg.output_dir!r})")
     state = load_checkpoint(path)
@@ -192,9 +198,15 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
 
     # resume (or start from weights) before anything trains
     epoch, start_batch, update, rng_state, resumed_from = 0, 0, 0, None, ""
-    path = find_latest(run_dir) if cfg.resume == "auto" else cfg.resume
+    path = _latest_checkpoint(run_dir, info) if cfg.resume == "auto" else cfg.resume
     if path:
         state = load_checkpoint(path)
+        missing = [k for k in ("model", "optimizer", "scheduler", "epoch", "batch", "update")
+                   if k not in state]
+        if missing:
+            raise CheckpointError(f"resume={path!r} is not a training checkpoint (no "
+                                  f"{', '.join(missing)}); to start from its weights set "
+                                  f"checkpoint={path} instead")
         check_arch(state, _arch(cfg), path)
         load_model_weights(model, state["model"], path)
         optimizer.load_state_dict(state["optimizer"])

@@ -8,10 +8,12 @@ num_classes}). Files are ``ckpt-e{epoch}-u{update}.pth`` in the run directory, w
 temporary name and renamed, so a crash never leaves a half-written checkpoint under a real name.
 """
 import glob
+import logging
 import os
 import random
 import re
 import tempfile
+import zipfile
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -21,6 +23,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest
            "list_checkpoints", "capture_rng", "restore_rng", "check_arch", "load_model_weights"]
 
 _NAME = re.compile(r"ckpt-e(\d+)-u(\d+)\.pth$")
+_logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -86,14 +89,22 @@ def load_checkpoint(path: str) -> Dict[str, Any]:
 
 
 def find_latest(run_dir: str) -> Optional[str]:
-    """The newest checkpoint in `run_dir` that loads and has model weights; None if none."""
+    """The newest checkpoint in `run_dir` by name (update count) whose archive opens; None if none.
+
+    Only the zip directory at the end of each file is read, newest first, so this is cheap
+    however large the checkpoints are; one that does not open (truncated, not a torch.save
+    file) is skipped with a warning naming it and the error.
+    """
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            state = load_checkpoint(path)
-        except CheckpointError:
+            with zipfile.ZipFile(path) as archive:
+                if not any(n.endswith("data.pkl") for n in archive.namelist()):
+                    raise ValueError("no data.pkl member: not a torch.save file")
+        except (OSError, ValueError, zipfile.BadZipFile) as e:
+            _logger.warning("skipping checkpoint %r: it cannot be read (%s: %s); delete it or "
+                            "pass resume=PATH", path, type(e).__name__, e)
             continue
-        if "model" in state and "epoch" in state:
-            return path
+        return path
     return None
 
 
