@@ -13,7 +13,6 @@ the evaluation files the trainer writes (``eval.json``: ``model``, ``top1``, ``t
 never imports the trainer. The paper's ImageNet numbers are listed apart, as quoted.
 """
 import argparse
-import ast
 import csv
 import difflib
 import io
@@ -35,6 +34,7 @@ from torch import nn
 
 from .accounting import Accounting, account, input_shape_of, module_table
 from .attention import DCMHA_OPTIONS
+from .cli import parse_kwargs
 from .models import DCVIT_MODELS
 
 __all__ = ["ModelSpec", "param_efficiency_report", "write_report", "read_results",
@@ -124,17 +124,11 @@ def check_model_name(name: str) -> None:
 
 
 def parse_model_kwargs(items: Sequence[str]) -> Dict[str, Any]:
-    """``["img_size=32", "patch_size=4", "global_pool=avg"]`` -> a dict of Python values."""
-    out: Dict[str, Any] = {}
-    for item in items:
-        key, eq, text = item.partition("=")
-        if not eq or not key.isidentifier():
-            raise ReportError(f"--model-kwargs entry {item!r} is not key=value (e.g. img_size=32)")
-        try:
-            out[key] = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            out[key] = text
-    return out
+    """``["img_size=32", "class_token=false"]`` -> a dict of values (`dcvit.cli.parse_kwargs`)."""
+    try:
+        return parse_kwargs(items)
+    except ValueError as e:
+        raise ReportError(str(e)) from e
 
 
 def read_results(path: str) -> Dict[str, Any]:

@@ -35,27 +35,16 @@ from PIL import Image
 
 import timm
 import dcvit
+from dcvit.cli import parse_kwargs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prepare_digits import digit_image  # noqa: E402
 
-__all__ = ["parse_model_kwargs", "find_checkpoint", "read_run_config", "resolve_model", "build_model", "load_image", "query_maps",
+__all__ = ["find_checkpoint", "read_run_config", "resolve_model", "build_model", "load_image", "query_maps",
            "plot_maps", "figure_size", "main"]
 
 CELL_INCHES = 1.7
 DPI = 100
-
-
-def parse_model_kwargs(items: List[str]) -> Dict[str, Any]:
-    """``["img_size=32", "dcmha_layers=[0,1]"]`` -> ``{"img_size": 32, "dcmha_layers": [0, 1]}``
-    (values parsed as YAML)."""
-    kwargs = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--model-kwargs entry {item!r} is not key=value, e.g. img_size=32")
-        kwargs[key] = yaml.safe_load(value)
-    return kwargs
 
 
 def _unwrap(state: Dict[str, Any]) -> Dict[str, Any]:
@@ -300,7 +289,7 @@ def main(argv=None) -> int:
             args.checkpoint = find_checkpoint(args.checkpoint)
         state = dcvit.read_state_dict(args.checkpoint) if args.checkpoint is not None else None
         run = read_run_config(args.checkpoint, state) if args.checkpoint is not None else {}
-        name, kwargs = resolve_model(args.model, parse_model_kwargs(args.model_kwargs),
+        name, kwargs = resolve_model(args.model, parse_kwargs(args.model_kwargs),
                                      args.checkpoint, state)
         model = build_model(name, kwargs, args.checkpoint, args.ema, state)
         pic, x = load_image(model, args.image, args.digit, run.get("mean"), run.get("std"))

@@ -12,6 +12,7 @@ import yaml
 from PIL import Image
 
 import dcvit
+from dcvit.cli import parse_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "attention_maps.py"
@@ -146,7 +147,7 @@ def test_run_directory_means_its_newest_checkpoint(tmp_path):
 def test_num_classes_from_checkpoint_without_config(tmp_path):
     model = timm.create_model("dcvit_tiny", num_classes=7, **TINY)
     dcvit.save_weights(model, tmp_path / "w.safetensors")
-    name, kwargs = am.resolve_model(None, am.parse_model_kwargs(
+    name, kwargs = am.resolve_model(None, parse_kwargs(
         ["img_size=32", "patch_size=8", "depth=2", "embed_dim=24", "num_heads=3"]), tmp_path / "w.safetensors")
     assert kwargs == {**TINY, "num_classes": 7}
 
@@ -197,7 +198,7 @@ def test_errors_name_the_bad_value():
     with pytest.raises(ValueError, match="--query 99"):
         am.query_maps(model, x, 0, 99)
     with pytest.raises(ValueError, match="img_size"):
-        am.parse_model_kwargs(["img_size"])
+        parse_kwargs(["img_size"])
     with pytest.raises(ValueError, match="--digit"):
         am.load_image(model, None, 5000)
 

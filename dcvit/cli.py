@@ -1,0 +1,40 @@
+"""Command-line helpers shared by ``dcvit-report`` and the scripts."""
+import ast
+from typing import Any, Dict, Sequence
+
+import yaml
+
+__all__ = ["parse_kwargs"]
+
+
+def _value(text: str) -> Any:
+    value = yaml.safe_load(text)
+    if isinstance(value, str):
+        # YAML leaves Python spellings as strings: 1e-3, None, (1, 2).
+        try:
+            literal = ast.literal_eval(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return value
+        if not isinstance(literal, str):
+            return literal
+    return value
+
+
+def parse_kwargs(items: Sequence[str], flag: str = "--model-kwargs") -> Dict[str, Any]:
+    """``["img_size=32", "class_token=false", "dcmha_layers=[0,1]"]`` -> keyword arguments.
+
+    Values are YAML (``false`` -> False, ``[0, 1]`` -> a list, ``avg`` -> a string), with
+    Python literals YAML reads as strings (``1e-3``, ``None``) taken as Python. An empty
+    value (``key=``) is None. Raises ``ValueError`` naming the bad item and ``flag``.
+    """
+    out: Dict[str, Any] = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"{flag} entry {item!r} is not key=value (e.g. img_size=32)")
+        try:
+            out[key] = _value(text)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{flag} entry {item!r}: cannot parse the value {text!r} as YAML "
+                             f"({str(e).splitlines()[0]}); quote a string, e.g. {key}='...'") from e
+    return out
