@@ -49,3 +49,4 @@ def test_resume_pick_is_made_on_rank_0_and_broadcast(tmp_path, monkeypatch):
     monkeypatch.setattr(entry, "find_latest", no_listing)
     assert entry._latest_checkpoint(str(tmp_path), DistInfo(rank=1, world_size=2)) == "FROM-RANK-0"
     assert sent == [newest, None]
+

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+import train_imagenet.__main__ as entry_mod
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
+from train_imagenet.distributed import DistInfo
 
 from train_helpers import digits, write_shards
 
@@ -168,3 +170,20 @@ def test_bf16_autocast_on_cpu(data, tmp_path):
     assert _run(data, tmp_path / "bf16", "epochs=1", "amp=bf16", "model=dcvit_tiny") == 0
     res = _json(tmp_path / "bf16" / "eval.json")
     assert res["model"] == "dcvit_tiny" and res["num_samples"] == 53 and 0 <= res["top1"] <= 100
+
+
+def test_counting_errors_reach_every_rank_as_data_error(tmp_path, monkeypatch):
+    """Rank 0's unexpected error (here ImageFolder's FileNotFoundError for a directory without
+    images) is broadcast as a DataError, so the other ranks raise instead of waiting."""
+    from train_imagenet.config import load_config
+    from train_imagenet.data import DataError
+    (tmp_path / "train" / "class_a").mkdir(parents=True)           # a class folder, no images
+    cfg = load_config(None, [f"data.train={tmp_path / 'train'}", f"data.val={tmp_path / 'train'}"])
+    sent = []
+    monkeypatch.setattr(entry_mod, "broadcast_object", lambda obj: sent.append(obj) or obj)
+    with pytest.raises(DataError, match=r"data.train=.* cannot be read \(FileNotFoundError"):
+        entry_mod._counts(cfg, "train", DistInfo(rank=0, world_size=2))
+    assert isinstance(sent[0], DataError)
+    monkeypatch.setattr(entry_mod, "broadcast_object", lambda obj: sent[0])   # what rank 1 receives
+    with pytest.raises(DataError, match="FileNotFoundError"):
+        entry_mod._counts(cfg, "train", DistInfo(rank=1, world_size=2))

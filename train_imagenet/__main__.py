@@ -75,7 +75,8 @@ def _arch(cfg: Config) -> Dict[str, Any]:
 
 
 def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
-    """Sample/class counts, found once on rank 0 and shared with every rank."""
+    """Sample/class counts, found once on rank 0 and shared with every rank; any error there
+    is sent as a DataError too, so the other ranks raise it instead of waiting forever."""
     result: Any = None
     if info.is_main:
         try:
@@ -84,6 +85,9 @@ def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
             result = {"num_samples": given, "num_classes": 0} if given else count_samples(src)
         except DataError as e:
             result = e
+        except Exception as e:  # e.g. FileNotFoundError from ImageFolder: every rank must hear
+            result = DataError(f"data.{split}={getattr(cfg.data, split)!r} cannot be read "
+                               f"({type(e).__name__}: {e})")
     result = broadcast_object(result)
     if isinstance(result, Exception):
         raise result
