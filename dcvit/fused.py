@@ -63,19 +63,20 @@ def _is_fx_tracing() -> bool:
 
 
 def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
-    """The attention core to run for input ``x``: forced (context, then layer) or automatic.
+    """The attention core to run for input ``x``.
 
-    Automatic: FX or ``torch.jit.trace`` tracing (fvcore traces) -> ``reference``; inside
-    ``torch.compile`` -> ``compile``;
-    CUDA -> ``triton`` when Triton imports; CPU float32/float64/bfloat16 -> ``cpp`` when the
-    kernel builds; otherwise ``torch``.
+    FX or ``torch.jit.trace`` tracing (fvcore traces) -> ``reference`` whatever is forced,
+    so that the trace records every op rather than one opaque fused call. Otherwise the
+    forced core (context, then layer) or, for ``auto``: inside ``torch.compile`` ->
+    ``compile``; CUDA -> ``triton`` when Triton imports; CPU float32/float64/bfloat16 ->
+    ``cpp`` when the kernel builds; otherwise ``torch``.
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
-    if name != "auto":
-        return name
     if _is_fx_tracing() or torch.jit.is_tracing():
         return "reference"
+    if name != "auto":
+        return name
     if torch.compiler.is_compiling():
         return "compile"
     if x.device.type == "cuda" and _triton_kernel() is not None:

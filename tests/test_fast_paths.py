@@ -333,3 +333,31 @@ def test_jit_trace_selects_the_reference_core():
     torch.jit.trace(Probe(), torch.randn(2), check_trace=False)
     assert seen and set(seen) == {"reference"}
     assert fused.select_impl("auto", torch.randn(2), False) != "reference"
+
+
+@pytest.mark.parametrize("forced", ["layer", "context"])
+def test_jit_trace_ignores_a_forced_fast_core(forced):
+    """A forced core would be recorded as one opaque PythonOp; tracing takes the reference."""
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            seen.append(fused.select_impl("torch" if forced == "layer" else "auto", x, False))
+            return x * 2
+
+    with attention_impl("torch" if forced == "context" else "auto"):
+        torch.jit.trace(Probe(), torch.randn(2), check_trace=False)
+        assert Probe()(torch.randn(2)) is not None and seen[-1] == "torch"    # not tracing
+    assert seen[:-1] and set(seen[:-1]) == {"reference"}
+
+    torch.manual_seed(0)
+    layer = dcvit.DCMHA(12, 3).eval()
+    x = torch.randn(1, 5, 12)
+    if forced == "layer":
+        layer.attn_impl = "torch"
+        traced = torch.jit.trace(layer, x, check_trace=False)
+    else:
+        with attention_impl("torch"):
+            traced = torch.jit.trace(layer, x, check_trace=False)
+    assert "PythonOp" not in str(traced.graph)
+    torch.testing.assert_close(traced(x), layer(x), atol=1e-5, rtol=1e-5)
