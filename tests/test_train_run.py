@@ -126,7 +126,7 @@ def test_wrong_architecture_checkpoint(data, tmp_path, capsys):
     bare = tmp_path / "bare.pth"                        # weights only, no metadata
     torch.save(load_checkpoint(ckpt)["model"], bare)
     assert _run(data, tmp_path / "d", "--eval-only", f"checkpoint={bare}", *other) == 2
-    assert "do not fit this architecture: 12 missing" in capsys.readouterr().err
+    assert "it is not a checkpoint of this architecture" in capsys.readouterr().err
     assert not (tmp_path / "b" / "eval.json").exists()
 
 
@@ -187,3 +187,49 @@ def test_counting_errors_reach_every_rank_as_data_error(tmp_path, monkeypatch):
     monkeypatch.setattr(entry_mod, "broadcast_object", lambda obj: sent[0])   # what rank 1 receives
     with pytest.raises(DataError, match="FileNotFoundError"):
         entry_mod._counts(cfg, "train", DistInfo(rank=1, world_size=2))
+
+
+def _tiny_cfg(root, model, **kwargs):
+    from train_imagenet.config import load_config
+    shape = {"img_size": 32, "patch_size": 8, "depth": 1, "embed_dim": 24, "num_heads": 2, **kwargs}
+    return load_config(None, [f"data.train={root}", f"data.val={root}", f"model={model}",
+                              f"model_kwargs={json.dumps(shape)}", "data.num_classes=10",
+                              "data.img_size=32"])
+
+
+def test_start_from_weights_files(data, tmp_path, capsys):
+    """checkpoint=PATH that is no training checkpoint: a .safetensors of the same model loads
+    exactly; a plain ViT .pth starts a DCViT (shared tensors copied, DCMHA ones keep their
+    initialisation); weights of another size fail with a clear error, before training."""
+    import dcvit
+    torch.manual_seed(1)
+    vit = entry_mod.build_model(_tiny_cfg(data[0], "vit_tiny_patch16_224"))
+    st, pth = tmp_path / "vit.safetensors", tmp_path / "vit.pth"
+    dcvit.save_weights(vit, st)
+    torch.save(vit.state_dict(), pth)
+    source = vit.state_dict()
+
+    cfg = _tiny_cfg(data[0], "vit_tiny_patch16_224")
+    model = entry_mod.build_model(cfg)
+    assert entry_mod.load_start_weights(model, str(st), cfg) is None
+    assert all(torch.equal(v, source[k]) for k, v in model.state_dict().items())
+
+    cfg = _tiny_cfg(data[0], "dcvit_tiny")
+    model = entry_mod.build_model(cfg)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    entry_mod.load_start_weights(model, str(pth), cfg)
+    after = model.state_dict()
+    dcmha = [k for k in after if k not in source]
+    assert dcmha and all(torch.equal(after[k], before[k]) for k in dcmha)
+    assert all(torch.equal(after[k], source[k]) for k in source)
+
+    big = _tiny_cfg(data[0], "dcvit_tiny", embed_dim=48)
+    with pytest.raises(entry_mod.CheckpointError, match="another size"):
+        entry_mod.load_start_weights(entry_mod.build_model(big), str(st), big)
+
+    out = tmp_path / "from_st"
+    assert _run(data, out, "model=dcvit_tiny", f"checkpoint={st}", "epochs=1", "aug.mixup=0",
+                "aug.cutmix=0") == 0
+    assert load_checkpoint(list_checkpoints(str(out))[-1])["update"] == 12
+    assert _run(data, tmp_path / "ev", "--eval-only", f"checkpoint={st}") == 0
+    assert _json(tmp_path / "ev" / "eval.json")["checkpoint"] == str(st)

@@ -100,6 +100,33 @@ def _latest_checkpoint(run_dir: str, info: DistInfo) -> Optional[str]:
     return broadcast_object(find_latest(run_dir) if info.is_main else None)
 
 
+def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Optional[Dict[str, Any]]:
+    """Loads `checkpoint=PATH` into `model`; returns the checkpoint dict when PATH is one this
+    package saved (its architecture is checked, its EMA weights kept), else None.
+
+    Any other file is weights only, read by `dcvit.load_weights`: ``.safetensors`` or ``.pth``
+    (``weights_only=True``), a plain ViT state dict adapted to a DCViT (the DCMHA tensors keep
+    their initialisation); a checkpoint of another size is a CheckpointError.
+    """
+    import dcvit
+    from timm.models.vision_transformer import VisionTransformer
+    if not path.endswith(".safetensors"):
+        state = load_checkpoint(path)
+        if isinstance(state.get("model"), dict) and "arch" in state:
+            check_arch(state, _arch(cfg), path)
+            load_model_weights(model, state["model"], path)
+            return state
+        if not isinstance(model, VisionTransformer):  # dcvit's ViT/DCViT adapter does not apply
+            load_model_weights(model, state.get("model", state), path)
+            return None
+    try:
+        dcvit.load_weights(model, path)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint={path!r} does not fit model={cfg.model!r} with "
+                              f"model_kwargs={dict(cfg.model_kwargs)}: {e}") from e
+    return None
+
+
 def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) -> Dict[str, Any]:
     return {"model": cfg.model, "top1": metrics["top1"], "top5": metrics["top5"],
             "num_samples": metrics["num_samples"], "loss": metrics["loss"],
@@ -143,10 +170,7 @@ def _evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, inf
     path = cfg.checkpoint or _latest_checkpoint(cfg.output_dir, info)
     if not path:
         raise CheckpointError(f"eval_only needs checkpoint=PATH (no checkpoint in {cfg.output_dir!r})")
-    state = load_checkpoint(path)
-    weights = state["model"] if isinstance(state.get("model"), dict) else state  # or bare weights
-    check_arch(state, _arch(cfg), path)
-    load_model_weights(model, weights, path)
+    state = load_start_weights(model, path, cfg) or {}
     metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
     if info.is_main:
         write_json(os.path.join(cfg.output_dir, "eval.json"), _result(cfg, metrics, path, False))
@@ -226,10 +250,8 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
                        f"{info.world_size}: continuing with fresh RNG streams")
         resumed_from = path
         _log(info, f"resumed from {path} at epoch {epoch}, batch {start_batch}, update {update}")
-    elif cfg.checkpoint:
-        state = load_checkpoint(cfg.checkpoint)
-        check_arch(state, _arch(cfg), cfg.checkpoint)
-        load_model_weights(model, state.get("model", state), cfg.checkpoint)
+    elif cfg.checkpoint:  # start from weights: a checkpoint's model, a .safetensors, a ViT .pth
+        load_start_weights(model, cfg.checkpoint, cfg)
     ema = None  # made after loading, so it starts from the loaded weights
     if cfg.ema.enabled:
         ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup)
