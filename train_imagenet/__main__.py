@@ -18,13 +18,15 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 
+from dcvit.io import write_json
+
 from .checkpoint import (CheckpointError, capture_rng, check_arch, find_latest, load_checkpoint,
                          load_model_weights, save_checkpoint)
 from .config import Config, ConfigError, config_to_dict, load_config, save_config
 from .data import DataError, DataPipe, build_data, count_samples, resolve_source
 from .distributed import DistInfo, all_gather_object, broadcast_object, init_distributed, shutdown
 from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
-from .logs import RunLog, write_json
+from .logs import RunLog
 
 __all__ = ["main", "run"]
 

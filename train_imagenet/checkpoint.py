@@ -12,12 +12,13 @@ import logging
 import os
 import random
 import re
-import tempfile
 import zipfile
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+
+from dcvit.io import atomic_write
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest",
            "list_checkpoints", "capture_rng", "restore_rng", "check_arch", "load_model_weights"]
@@ -58,14 +59,7 @@ def save_checkpoint(state: Dict[str, Any], run_dir: str, keep: int = 2) -> str:
     """Writes `state` atomically as ckpt-e{epoch}-u{update}.pth; keeps the newest `keep`."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, f"ckpt-e{state['epoch']:04d}-u{state['update']:08d}.pth")
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".ckpt-", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
     for old in list_checkpoints(run_dir)[:-keep]:
         os.remove(old)
     return path

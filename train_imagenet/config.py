@@ -10,12 +10,13 @@ against the declared type. ``save_config`` writes the resolved config to the run
 import dataclasses
 import difflib
 import os
-import tempfile
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
+
+from dcvit.io import write_text
 
 __all__ = ["Config", "ConfigError", "load_config", "save_config", "config_to_dict", "all_keys"]
 
@@ -267,8 +268,4 @@ def config_to_dict(cfg: Config) -> Dict[str, Any]:
 
 def save_config(cfg: Config, path: str) -> None:
     """Writes the resolved config as YAML, atomically."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
-    os.replace(tmp, path)
+    write_text(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))

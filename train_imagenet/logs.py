@@ -1,26 +1,14 @@
-"""Run logs on rank 0: per-epoch JSON lines (`log.jsonl`), a CSV summary (`summary.csv`),
-optional TensorBoard scalars, and atomic JSON result files (`eval.json`)."""
+"""Run logs on rank 0: per-epoch JSON lines (`log.jsonl`), a CSV summary (`summary.csv`) and
+optional TensorBoard scalars. Result files (`eval.json`) are written with `dcvit.io.write_json`."""
 import csv
 import json
 import os
-import tempfile
 from typing import Any, Dict, Optional
 
-__all__ = ["RunLog", "write_json"]
+__all__ = ["RunLog"]
 
 CSV_FIELDS = ["epoch", "train_loss", "lr", "top1", "top5", "val_loss", "ema_top1", "ema_top5",
               "img_per_s", "epoch_time_s", "peak_mem_mb", "corrupt_skipped"]
-
-
-def write_json(path: str, data: Dict[str, Any]) -> None:
-    """Writes `data` as indented JSON, atomically (temp file + rename)."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 class RunLog:
