@@ -17,17 +17,17 @@ Results go to stdout as a table and to ``--json`` (written atomically).
 """
 import argparse
 import json
-import os
 import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from .io import write_json
 
 __all__ = ["main", "run", "TARGETS"]
 
@@ -221,15 +221,6 @@ def _print_table(result: Dict[str, Any]) -> None:
         print(f"{key:<34}{da:>12}{db:>12}{r['ratio']:>8.3f}{op + str(bound):>9}  {'yes' if met else 'no'}")
 
 
-def _write_json(path: str, data: Dict[str, Any]) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcvit-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="dcvit_small_patch16_224")
@@ -288,7 +279,7 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     else:
         result = {**meta, **_model_bench(args, device)}
         _print_table(result)
-    _write_json(args.json, result)
+    write_json(args.json, result)
     print(f"\nwrote {args.json}")
     return result
 

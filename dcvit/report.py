@@ -17,12 +17,10 @@ import csv
 import difflib
 import io
 import json
-import os
 import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +33,7 @@ from torch import nn
 from .accounting import Accounting, account, input_shape_of, module_table
 from .attention import DCMHA_OPTIONS
 from .cli import parse_kwargs
+from .io import atomic_write
 from .models import DCVIT_MODELS
 
 __all__ = ["ModelSpec", "param_efficiency_report", "write_report", "read_results",
@@ -264,18 +263,6 @@ def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple
 
 
 # ---------------------------------------------------------------------------------- writing
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _fmt(value: Any, spec: str = "") -> str:
     return "" if value is None else format(value, spec)
 
@@ -405,7 +392,7 @@ def write_report(report: Report, out: str, command: str = "dcvit-report") -> Dic
     paths = {}
     for name, data in files.items():
         paths[name] = out_dir / name
-        _write_atomic(paths[name], data)
+        atomic_write(paths[name], lambda tmp, data=data: Path(tmp).write_bytes(data))
     return paths
 
 

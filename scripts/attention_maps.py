@@ -21,10 +21,8 @@ checkpoint's EMA weights. Weights load with ``dcvit.load_weights`` (``.safetenso
 weights left at their initialisation.
 """
 import argparse
-import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -36,6 +34,7 @@ from PIL import Image
 import timm
 import dcvit
 from dcvit.cli import parse_kwargs
+from dcvit.io import atomic_write
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prepare_digits import digit_image  # noqa: E402
@@ -247,17 +246,10 @@ def plot_maps(pic: Image.Image, maps: Dict[str, Any], title: str, out: Path) -> 
         ax.set_xticks([])
         ax.set_yticks([])
     fig.suptitle(title, fontsize=9)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format="png", dpi=DPI)
-        os.replace(tmp, out)
+        return atomic_write(out, lambda tmp: fig.savefig(tmp, format="png", dpi=DPI))
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 def main(argv=None) -> int:

@@ -12,15 +12,14 @@ matrices that the dynamic weights define for two queries (query-wise) and two ke
 matrices applied by hand before it draws anything.
 """
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import dcvit
+from dcvit.io import atomic_write
 
 __all__ = ["compose_example", "mixing_matrix", "draw_compose", "main"]
 
@@ -64,16 +63,7 @@ def _check(ex) -> None:
 
 
 def _save(fig, out: Path, dpi: int) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format="png", dpi=dpi, metadata={"Software": None})
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return atomic_write(out, lambda tmp: fig.savefig(tmp, format="png", dpi=dpi, metadata={"Software": None}))
 
 
 def draw_compose(out: Path, dpi: int = 110) -> Path:

@@ -321,7 +321,12 @@ def _shard_name(split: str, index: int) -> str:
 
 
 def write_shard(task: tuple[str, str, int, list[Sample], str, str]) -> tuple[int, int, int, int]:
-    """Write one shard under a temporary name, then rename. Returns (index, samples, bytes, re-encoded)."""
+    """Write one shard under a temporary name, then rename. Returns (index, samples, bytes, re-encoded).
+
+    Not `dcvit.io.atomic_write`: the shard is fsynced before the rename, and its temporary
+    name ``.{shard}.tmp-{token}`` carries the run's token, so that `convert` can delete the
+    leftovers of a killed run (``.{split}-*.tar.tmp-*``) and of its own stopped workers.
+    """
     from webdataset import TarWriter
 
     out, split, index, samples, other_formats, token = task
@@ -364,12 +369,6 @@ def brace_pattern(out: Path, split: str, num_shards: int) -> str:
     if num_shards == 1:
         return str(out / _shard_name(split, 0))
     return str(out / f"{split}-{{{0:06d}..{num_shards - 1:06d}}}.tar")
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 def _warn(msg: str) -> None:
@@ -442,8 +441,10 @@ def convert(args: argparse.Namespace) -> dict:
         "pattern": brace_pattern(Path("."), split, len(plan)), "classes": "classes.json",
         "shuffled": shuffle, "seed": args.seed if shuffle else None, "reencoded_to_png": reencoded,
     }
-    _write_json(classes_path, classes)
-    _write_json(out / f"{split}.json", meta)
+    from dcvit.io import write_json  # imports torch and timm: only once the shards are written
+
+    write_json(classes_path, classes)
+    write_json(out / f"{split}.json", meta)
     seen = len({s.label for s in samples})
     print(f"{split}: {len(samples)} samples of {seen}/{len(classes)} classes in {len(plan)} shards "
           f"({sum(sizes) / 2**20:.1f} MiB); {reencoded} re-encoded to PNG")

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict, List
 
@@ -24,6 +23,8 @@ import numpy as np
 from PIL import Image
 from sklearn.datasets import load_digits
 from tqdm import tqdm
+
+from dcvit.io import atomic_write, write_json
 
 __all__ = ["split_indices", "digit_image", "prepare_digits"]
 
@@ -57,25 +58,6 @@ def digit_image(pixels: np.ndarray, size: int) -> Image.Image:
     if size != grey.shape[0]:
         img = img.resize((size, size), Image.Resampling.BICUBIC)
     return img.convert("RGB")                                                  # grey -> 3 channels
-
-
-def _save_png(img: Image.Image, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        img.save(tmp, format="PNG")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _write_json(obj: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _file_name(idx: int) -> str:
@@ -124,8 +106,9 @@ def prepare_digits(out: os.PathLike, size: int = 32, val_fraction: float = 0.2, 
             (out / split / str(c)).mkdir(parents=True, exist_ok=True)
     jobs = [(s, int(i)) for s in SPLITS for i in splits[s]]
     for split, i in tqdm(jobs, desc=f"digits -> {out}", unit="img", disable=not progress):
-        _save_png(digit_image(images[i], size), out / split / str(int(labels[i])) / _file_name(i))
-    _write_json(manifest, manifest_path)
+        img = digit_image(images[i], size)
+        atomic_write(out / split / str(int(labels[i])) / _file_name(i), lambda tmp: img.save(tmp, format="PNG"))
+    write_json(manifest_path, manifest)
     return {**manifest, "skipped": False}
 
 
