@@ -2,8 +2,10 @@
 # Multi-node training with SLURM: one torchrun agent per node, c10d rendezvous on the first node.
 #
 #   sbatch --nodes=4 scripts/slurm_train.sh configs/deit300_dcvit_small.yaml \
-#       data.train='/data/imagenet-wds/train-{000000..001023}.tar' \
-#       data.val='/data/imagenet-wds/val-{000000..000063}.tar' output_dir=runs/deit300_dcvit_small
+#       data.train=/data/imagenet-wds data.val=/data/imagenet-wds output_dir=runs/deit300_dcvit_small
+#
+# (a directory of shards from scripts/make_wds_shards.py: its train-*.tar and val-*.tar are used;
+# a brace pattern works too if quoted: data.train='/data/imagenet-wds/train-{000000..001281}.tar')
 #
 # Re-submitting the same command continues the run (resume=auto picks the newest valid checkpoint);
 # --max-restarts lets torchrun restart failed workers in place. batch_size is per process: with
