@@ -37,6 +37,7 @@ from fvcore.nn.jit_handles import get_shape
 from torch import nn
 
 from .attention import DCMHA
+from .fused import attention_impl
 
 __all__ = [
     "Accounting", "account", "flop_analysis", "einsum_macs", "module_table",
@@ -142,11 +143,7 @@ def _reference_attention(model: nn.Module) -> Iterator[None]:
     matrix products from fvcore and from ``FlopCounterMode``; MACs are those of the
     paper's formulation, whichever core runs in production.
     """
-    try:
-        from .fused import attention_impl
-    except ImportError:  # a dcvit without fast attention cores
-        attention_impl = None
-    if attention_impl is None or not any(isinstance(m, DCMHA) for m in model.modules()):
+    if not any(isinstance(m, DCMHA) for m in model.modules()):
         yield
         return
     with attention_impl("reference"):

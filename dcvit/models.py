@@ -20,7 +20,6 @@ import torch
 from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import vision_transformer as timm_vit
-from timm.models._builder import build_model_with_cfg as _build_signature_source
 from timm.models.vision_transformer import VisionTransformer
 
 from .attention import DCMHA, DCMHA_OPTIONS, dcmha_layer
@@ -51,7 +50,7 @@ default_cfgs = generate_default_cfgs({
 })
 
 # The keyword arguments timm's builder consumes itself (features, pretrained handling).
-_BUILDER_KWARGS = set(inspect.signature(_build_signature_source).parameters) | {
+_BUILDER_KWARGS = set(inspect.signature(build_model_with_cfg).parameters) | {
     "features_only", "feature_cls", "out_indices", "output_fmt", "flatten_sequential",
     "feature_cfg", "pretrained_strict",
 }
