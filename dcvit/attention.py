@@ -8,7 +8,10 @@ arguments and ``forward`` signature as ``timm.layers.Attention``, same parameter
 * ``pre_compose`` / ``post_compose`` (`Compose`): mixing of scores and of weights.
 
 Forward hooks on ``pre_compose``/``post_compose`` see the attention scores/weights before
-(input) and after (output) composition; `dcvit.attention_maps` collects them.
+(input) and after (output) composition only on the ``reference`` attention core: the fast
+cores of `dcvit.fused` fuse both Compose stages into one kernel and never call these
+modules. `dcvit.attention_maps` forces the reference core itself; around your own hooks use
+``with dcvit.fused.attention_impl("reference"): model(x)``.
 """
 import math
 from typing import Any, Dict, List, Optional, Tuple, Type
