@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from .io import write_json
 
-__all__ = ["main", "run", "TARGETS"]
+__all__ = ["main", "run", "time_pair", "TARGETS"]
 
 # Targets of the performance issue: (figure key prefix, comparison, bound).
 TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.20)}
@@ -83,9 +83,13 @@ def _step_fn(model: torch.nn.Module, mode: str, dtype: torch.dtype, device: torc
     return train_step
 
 
-def _time_pair(step_a: Callable[[], None], step_b: Callable[[], None], device: torch.device,
+def time_pair(step_a: Callable[[], None], step_b: Callable[[], None], device: torch.device,
                warmup: int, steps: int) -> Dict[str, Any]:
-    """Alternate A and B (ABBA...), after ``warmup`` untimed steps of each."""
+    """Time A and B alternately (AB, BA, AB, ...), after ``warmup`` untimed steps of each.
+
+    Returns median milliseconds (``dcvit_ms`` for A, ``vit_ms`` for B), the ratio of the
+    medians ``ratio`` = B / A (A's throughput relative to B's) and every step's time.
+    """
     for _ in range(warmup):
         step_a()
         step_b()
@@ -163,8 +167,8 @@ def _layer_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
                             y.float().sum().backward()
                 return run
             fast, plain, sdpa = make(layer, impl), make(layer, "reference"), make(mha, None)
-            vs_plain = _time_pair(fast, plain, device, args.warmup, args.steps)
-            vs_sdpa = _time_pair(fast, sdpa, device, args.warmup, args.steps)
+            vs_plain = time_pair(fast, plain, device, args.warmup, args.steps)
+            vs_sdpa = time_pair(fast, sdpa, device, args.warmup, args.steps)
             key = f"{mode}/{dname}"
             out["results"][key] = {"dcmha_ms": vs_sdpa["dcvit_ms"], "plain_ms": vs_plain["vit_ms"],
                                    "attention_ms": vs_sdpa["vit_ms"],
@@ -191,7 +195,7 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
                 fa = _step_fn(a, mode, DTYPES[dname], device, args.batch_size, args.img_size, backend == "compile")
                 fb = _step_fn(b, mode, DTYPES[dname], device, args.batch_size, args.img_size, backend == "compile")
                 warmup = max(args.warmup, 2 if backend == "compile" else 0)
-                r = _time_pair(fa, fb, device, warmup, args.steps)
+                r = time_pair(fa, fb, device, warmup, args.steps)
                 r.update(mode=mode, dtype=dname, backend=backend, batch=args.batch_size)
                 key = f"{mode}/{dname}/{backend}/b{args.batch_size}"
                 out["figures"][key] = r

@@ -32,12 +32,13 @@ from torch import nn
 
 from .accounting import Accounting, account, input_shape_of, module_table
 from .attention import DCMHA_OPTIONS
+from .benchmark import time_pair
 from .cli import parse_kwargs
 from .io import atomic_write
 from .models import DCVIT_MODELS
 
 __all__ = ["ModelSpec", "param_efficiency_report", "write_report", "read_results",
-           "measure_throughput", "DEFAULT_MODELS", "QUOTED", "main"]
+           "measure_throughput", "measure_pair", "DEFAULT_MODELS", "QUOTED", "main"]
 
 SIZES = ("tiny", "small", "medium", "base")
 DEFAULT_MODELS = [f"{family}_{size}_patch16_224" for size in SIZES for family in ("vit", "dcvit")]
@@ -183,6 +184,28 @@ def measure_throughput(model: nn.Module, input_shape: Sequence[int], batch_size:
     return batch_size / statistics.median(times)
 
 
+@torch.inference_mode()
+def measure_pair(model: nn.Module, baseline: nn.Module, input_shape: Sequence[int], batch_size: int = 8,
+                 steps: int = 5, warmup: int = 2) -> Dict[str, float]:
+    """``model`` against ``baseline`` as SPEC §5 asks: eval forwards timed alternately
+    (`dcvit.benchmark.time_pair`), same batch and threads.
+
+    Returns ``img_s`` and ``baseline_img_s`` (from the median step times) and ``ratio`` =
+    baseline time / model time (the model's relative throughput).
+    """
+    modes = model.training, baseline.training
+    model.eval()
+    baseline.eval()
+    x = torch.randn(batch_size, *input_shape[1:])
+    try:
+        r = time_pair(lambda: model(x), lambda: baseline(x), torch.device("cpu"), warmup, steps)
+    finally:
+        model.train(modes[0])
+        baseline.train(modes[1])
+    return {"img_s": batch_size / (r["dcvit_ms"] / 1e3), "baseline_img_s": batch_size / (r["vit_ms"] / 1e3),
+            "ratio": r["ratio"]}
+
+
 @dataclass
 class Report:
     rows: List[Dict[str, Any]]
@@ -213,25 +236,31 @@ def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple
         check_model_name(spec.name)
 
     cache: Dict[ModelSpec, Accounting] = {}
-    speed: Dict[ModelSpec, float] = {}
+    speed: Dict[Tuple[ModelSpec, ModelSpec], Dict[str, float]] = {}
     tables: Dict[str, List[Dict[str, Any]]] = {}
 
-    def counted(spec: ModelSpec, timed: bool) -> Accounting:
-        if spec not in cache or (timed and spec not in speed):
-            model = spec.build()
-            if spec not in cache:
-                log(f"[report] counting {spec}")
-                cache[spec] = account(model)
-            if timed:
-                log(f"[report] timing {spec} (batch {throughput_batch})")
-                speed[spec] = measure_throughput(model, input_shape_of(model), throughput_batch)
+    def counted(spec: ModelSpec) -> Accounting:
+        if spec not in cache:
+            log(f"[report] counting {spec}")
+            cache[spec] = account(spec.build())
         return cache[spec]
+
+    def timed(spec: ModelSpec, base_spec: ModelSpec) -> Dict[str, float]:
+        if (spec, base_spec) not in speed:
+            model, batch = spec.build(), throughput_batch
+            if base_spec == spec:
+                log(f"[report] timing {spec} (batch {batch})")
+                speed[spec, base_spec] = {"img_s": measure_throughput(model, input_shape_of(model), batch)}
+            else:
+                log(f"[report] timing {spec} and {base_spec} alternately (batch {batch})")
+                speed[spec, base_spec] = measure_pair(model, base_spec.build(), input_shape_of(model), batch)
+        return speed[spec, base_spec]
 
     rows = []
     for spec, path, data in entries:
-        acc = counted(spec, throughput)
+        acc = counted(spec)
         base_spec = spec.baseline()
-        base = counted(base_spec, throughput and base_spec == spec)
+        base = counted(base_spec)
         row: Dict[str, Any] = {
             "model": spec.name, "model_kwargs": spec.kwargs_dict, "family": spec.family,
             "input_size": list(acc.input_shape[1:]), "params": acc.params, "macs": acc.macs,
@@ -241,7 +270,11 @@ def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple
             "skipped_ops": acc.skipped_ops,
         }
         if throughput:
-            row["throughput_img_s"] = round(speed[spec], 2)
+            t = timed(spec, base_spec)
+            row["throughput_img_s"] = round(t["img_s"], 2)
+            if "ratio" in t:
+                row["baseline_throughput_img_s"] = round(t["baseline_img_s"], 2)
+                row["throughput_ratio"] = round(t["ratio"], 4)
         if data is not None:
             row.update({k: data[k] for k in ("top1", "top5", "num_samples", "dataset", "ema")
                         if data.get(k) is not None})
@@ -257,6 +290,9 @@ def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple
     }
     if throughput:
         meta["throughput"] = {"batch_size": throughput_batch, "steps": 5, "statistic": "median",
+                              "method": "eval forwards; a model and its baseline timed alternately "
+                                        "in one process (SPEC §5), throughput_ratio = baseline time / "
+                                        "model time; a model that is its own baseline timed alone",
                               "threads": torch.get_num_threads(), "machine": platform.machine(),
                               "processor": platform.processor() or platform.machine()}
     return Report(rows=rows, quoted=[dict(q, kind="quoted") for q in QUOTED], modules=tables, meta=meta)
@@ -277,7 +313,8 @@ def _skipped_text(ops: Dict[str, int]) -> str:
 
 CSV_COLUMNS = ["model", "model_kwargs", "family", "input_size", "params", "macs", "gmacs", "baseline",
                "extra_params_pct", "extra_macs_pct", "top1", "top5", "num_samples",
-               "throughput_img_s", "skipped_ops", "results"]
+               "throughput_img_s", "baseline_throughput_img_s", "throughput_ratio", "skipped_ops",
+               "results"]
 
 
 def report_csv(report: Report) -> str:
@@ -304,7 +341,7 @@ def report_markdown(report: Report, command: str) -> str:
     has_speed = any("throughput_img_s" in r for r in report.rows)
     head = ["model", "options", "input", "params", "extra params", "GMACs", "extra MACs"]
     head += ["top-1", "top-5", "samples"] if has_acc else []
-    head += ["img/s"] if has_speed else []
+    head += ["img/s", "img/s vs baseline"] if has_speed else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report.rows:
         cells = [f"`{r['model']}`", _kwargs_text(r["model_kwargs"]), "x".join(map(str, r["input_size"])),
@@ -313,12 +350,15 @@ def report_markdown(report: Report, command: str) -> str:
         if has_acc:
             cells += [_fmt(r.get("top1"), ".2f"), _fmt(r.get("top5"), ".2f"), _fmt(r.get("num_samples"))]
         if has_speed:
-            cells += [_fmt(r.get("throughput_img_s"), ".1f")]
+            cells += [_fmt(r.get("throughput_img_s"), ".1f"), _fmt(r.get("throughput_ratio"), ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     if has_speed:
         t = report.meta["throughput"]
         lines += ["", f"img/s: eval mode, batch {t['batch_size']}, median of {t['steps']} forwards, "
-                      f"{t['threads']} threads on this machine ({t['processor']}); compare ratios, not absolutes."]
+                      f"{t['threads']} threads on this machine ({t['processor']}). A model and its baseline "
+                      "are timed alternately in one process (SPEC §5); \"vs baseline\" is baseline time / "
+                      "model time. A model that is its own baseline is timed alone; absolute img/s "
+                      "depend on the machine and its load."]
     sources = [r for r in report.rows if r.get("results")]
     if sources:
         lines += ["", "Accuracy from: " + ", ".join(f"`{r['results']}`" for r in sources) + "."]

@@ -5,9 +5,10 @@ import json
 import matplotlib.image
 import pytest
 import timm
+import torch
 
 import dcvit  # noqa: F401  (registers the DCViT models)
-from dcvit.report import QUOTED, ModelSpec, main
+from dcvit.report import QUOTED, ModelSpec, main, measure_pair
 
 # A small configuration of the Ti models, so a report takes seconds.
 TINY = ["img_size=32", "patch_size=8", "depth=2"]
@@ -81,8 +82,32 @@ def test_results_file_sets_the_configuration_and_accuracy(tmp_path, capsys):
     assert (row["top1"], row["top5"], row["num_samples"]) == (91.25, 99.5, 360)
     assert row["results"] == str(results) and row["dataset"] == "digits"
     assert row["baseline"] == "vit_tiny_patch16_224" and row["extra_params_pct"] > 0
-    assert row["throughput_img_s"] > 0
+    assert row["throughput_img_s"] > 0 and row["baseline_throughput_img_s"] > 0
+    # Both rates come from the same alternated run: their quotient is the time ratio.
+    assert row["throughput_ratio"] == pytest.approx(
+        row["throughput_img_s"] / row["baseline_throughput_img_s"], rel=1e-2)
+    assert "alternately" in data["throughput"]["method"]
     assert "91.25" in (out / "report.md").read_text().split("## Quoted")[0]
+
+
+def test_throughput_pairs_are_timed_alternately():
+    calls = []
+
+    class Tag(torch.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def forward(self, x):
+            calls.append((self.name, self.training))
+            return x
+
+    model, baseline = Tag("model"), Tag("baseline")
+    r = measure_pair(model, baseline, (1, 3, 4, 4), batch_size=2, steps=3, warmup=1)
+    names = [n for n, _ in calls]
+    assert names == ["model", "baseline", "model", "baseline", "baseline", "model", "model", "baseline"]
+    assert not any(training for _, training in calls) and model.training and baseline.training
+    assert r["img_s"] > 0 and r["ratio"] == pytest.approx(r["img_s"] / r["baseline_img_s"])
 
 
 def test_baseline_drops_dcmha_options_only():
