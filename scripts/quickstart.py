@@ -6,8 +6,9 @@ Every step runs the project's own command-line entry points, exactly as a user w
 ``scripts/prepare_digits.py`` (scikit-learn's 1,797 bundled 8x8 digits, offline, upscaled to
 32x32 RGB with a fixed stratified split), ``scripts/make_wds_shards.py`` (WebDataset shards),
 ``torchrun -m train_imagenet`` (training + evaluation, one run per model, same recipe
-``configs/quickstart.yaml``) and ``dcvit-report`` (parameter/FLOP efficiency with the
-measured top-1). Extra ``KEY=VALUE`` arguments override the training config of both runs.
+``configs/quickstart.yaml``), ``dcvit-report`` (parameter/FLOP efficiency with the
+measured top-1) and ``scripts/attention_maps.py`` (per-head weights before and after Compose
+for one digit). Extra ``KEY=VALUE`` arguments override the training config of both runs.
 """
 import argparse
 import json
@@ -77,11 +78,15 @@ def main(argv=None) -> int:
     results = [train(m, shards, args.out, args.nproc, args.seed, args.overrides) for m in MODELS]
     report_dir = args.out / "report"
     run([sys.executable, "-m", "dcvit.report", "--results", *[r["path"] for r in results], "--out", report_dir])
+    maps = args.out / "attention_maps.png"
+    run([sys.executable, "scripts/attention_maps.py", "--checkpoint", args.out / MODELS[1], "--digit", "0",
+         "--out", maps])
     print(f"\nQuick start finished in {time.time() - start:.0f} s on held-out digits "
           f"({results[0]['num_samples']} images):")
     for r in results:
         print(f"  {r['model']:<24} top-1 {r['top1']:6.2f} %   top-5 {r['top5']:6.2f} %   ({r['path']})")
     print(f"  report: {report_dir / 'report.md'}  (plot: {report_dir / 'report.png'})")
+    print(f"  attention maps of {MODELS[1]} before/after Compose: {maps}")
     return 0
 
 
