@@ -283,13 +283,14 @@ def _ptr(t: Optional[Tensor]):
     return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
 
 
-def _cpp_operands(s0: Tensor, mask: Optional[Tensor], stage: Stage) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+def kernel_operands(s0: Tensor, stage: Stage, dtype: torch.dtype) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """A stage's matrices in the row kernels' layouts: Mq (B, T, H, H), Mk (B, H, H, S)."""
     B, H, T, S = s0.shape
     mq, mk = stage
     if mq is None:
         return None, None
-    mq = mq.to(s0.dtype).expand(B, T, H, H).contiguous()                    # (B, T, H, H)
-    mk = None if mk is None else mk.to(s0.dtype).permute(0, 2, 3, 1).contiguous()  # (B, H, H, S)
+    mq = mq.to(dtype).expand(B, T, H, H).contiguous()                        # (B, T, H, H)
+    mk = None if mk is None else mk.to(dtype).permute(0, 2, 3, 1).contiguous()  # (B, H, H, S)
     return mq, mk
 
 
@@ -304,8 +305,8 @@ def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stag
     import ctypes
     lib = _cpp_kernel()
     B, H, T, S = s0.shape
-    mq1, mk1 = _cpp_operands(s0, mask, pre)
-    mq2, mk2 = _cpp_operands(s0, mask, post)
+    mq1, mk1 = kernel_operands(s0, pre, s0.dtype)
+    mq2, mk2 = kernel_operands(s0, post, s0.dtype)
     out = torch.empty_like(s0)
     fn = lib.dcvit_rows_forward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_forward_f32
     fn(_ptr(s0), _ptr(out), *_mask_args(s0, mask), _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2),
@@ -320,8 +321,8 @@ def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Sta
     lib = _cpp_kernel()
     B, H, T, S = s0.shape
     n = torch.get_num_threads()
-    mq1, mk1 = _cpp_operands(s0, mask, pre)
-    mq2, mk2 = _cpp_operands(s0, mask, post)
+    mq1, mk1 = kernel_operands(s0, pre, s0.dtype)
+    mq2, mk2 = kernel_operands(s0, post, s0.dtype)
     p2, ds0 = torch.empty_like(s0), torch.empty_like(s0)
     dmq1 = torch.empty_like(mq1) if mq1 is not None else None
     dmq2 = torch.empty_like(mq2) if mq2 is not None else None

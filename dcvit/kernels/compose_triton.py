@@ -11,6 +11,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..fused import kernel_operands
+
 __all__ = ["load", "rows_forward"]
 
 try:
@@ -66,16 +68,6 @@ def load():
     return None if triton is None else _rows_forward_kernel
 
 
-def _operands(s0: Tensor, stage: Tuple[Optional[Tensor], Optional[Tensor]]):
-    B, H, T, S = s0.shape
-    mq, mk = stage
-    if mq is None:
-        return None, None
-    mq = mq.to(torch.float32).expand(B, T, H, H).contiguous()                # (B, T, H, H)
-    mk = None if mk is None else mk.to(torch.float32).permute(0, 2, 3, 1).contiguous()  # (B, H, H, S)
-    return mq, mk
-
-
 def rows_forward(s0: Tensor, mask: Optional[Tensor], pre: Tuple[Optional[Tensor], Optional[Tensor]],
                  post: Tuple[Optional[Tensor], Optional[Tensor]]) -> Tensor:
     """compose2(softmax(compose1(s0) + mask)) for contiguous float32 s0 (B, H, T, S)."""
@@ -85,8 +77,8 @@ def rows_forward(s0: Tensor, mask: Optional[Tensor], pre: Tuple[Optional[Tensor]
     if s0.dtype != torch.float32:
         raise ValueError(f"the Triton rows kernel computes in float32, got scores of {s0.dtype}")
     B, H, T, S = s0.shape
-    mq1, mk1 = _operands(s0, pre)
-    mq2, mk2 = _operands(s0, post)
+    mq1, mk1 = kernel_operands(s0, pre, torch.float32)
+    mq2, mk2 = kernel_operands(s0, post, torch.float32)
     out = torch.empty_like(s0)
     strides = mask.stride() if mask is not None else (0, 0, 0, 0)
     _rows_forward_kernel[(B * T,)](
