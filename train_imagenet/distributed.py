@@ -40,8 +40,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
+        # torchrun can hand restarted workers the store of the failed attempt, where the dead
+        # peers' addresses are still registered ("Connection refused" in Gloo's connectFullMesh);
+        # keys under a per-attempt prefix are only ever those of live peers
+        store, _, _ = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("nccl" if want_cuda else "gloo",
-                                device_id=dev if want_cuda else None)
+                                store=dist.PrefixStore(f"train_imagenet/attempt_{attempt}", store),
+                                rank=rank, world_size=world, device_id=dev if want_cuda else None)
     return DistInfo(rank, world, local, dev)
 
 
