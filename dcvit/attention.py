@@ -312,9 +312,9 @@ class DCMHA(nn.Module):
         dropout = self.training and self.attn_drop.p > 0
         core_v = None if dropout else v
         if impl == "compile":
-            x = composed_attention_compile(q * self.scale, k, core_v, mask, pre, post)
+            x = composed_attention_compile(q, k, core_v, mask, pre, post, self.scale)
         else:
-            x = composed_attention(q * self.scale, k, core_v, mask, pre, post, impl)
+            x = composed_attention(q, k, core_v, mask, pre, post, impl, self.scale)
         if dropout:
             x = self.attn_drop(x.contiguous()) @ v                               # (B, H, N, D)
         return x

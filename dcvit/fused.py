@@ -309,9 +309,10 @@ def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stag
     mq2, mk2 = kernel_operands(s0, post, s0.dtype)
     out = torch.empty_like(s0)
     fn = lib.dcvit_rows_forward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_forward_f32
-    fn(_ptr(s0), _ptr(out), *_mask_args(s0, mask), _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2),
-       ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S),
-       ctypes.c_int(torch.get_num_threads()))
+    if fn(_ptr(s0), _ptr(out), *_mask_args(s0, mask), _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2),
+          ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S),
+          ctypes.c_int(torch.get_num_threads())):
+        return _rows_forward_torch(s0, mask, pre, post)                     # more heads than it takes
     return out
 
 
@@ -329,9 +330,10 @@ def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Sta
     dmk1 = s0.new_zeros(n, B, H, H, S) if mk1 is not None else None
     dmk2 = s0.new_zeros(n, B, H, H, S) if mk2 is not None else None
     fn = lib.dcvit_rows_backward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_backward_f32
-    fn(_ptr(s0), _ptr(dp2), _ptr(p2), _ptr(ds0), *_mask_args(s0, mask),
-       _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2), _ptr(dmq1), _ptr(dmk1), _ptr(dmq2), _ptr(dmk2),
-       ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S), ctypes.c_int(n))
+    if fn(_ptr(s0), _ptr(dp2), _ptr(p2), _ptr(ds0), *_mask_args(s0, mask),
+          _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2), _ptr(dmq1), _ptr(dmk1), _ptr(dmq2), _ptr(dmk2),
+          ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S), ctypes.c_int(n)):
+        return _rows_backward_torch(s0, mask, pre, post, dp2)               # more heads than it takes
 
     def key_grad(d: Optional[Tensor]) -> Optional[Tensor]:
         return None if d is None else d.sum(0).permute(0, 3, 1, 2)          # (B, S, H, H)
@@ -354,80 +356,153 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+TILE_ELEMENTS = 1 << 19   # per tile of the (b, H, t, S) maps on CPU (float32: 2 MiB)
+
+
+def _tiles(B: int, H: int, T: int, S: int, device: torch.device) -> List[Tuple[slice, slice]]:
+    """(batch, query) ranges of the attention, flash-style: on CPU each tile's (b, H, t, S)
+    maps hold about 2 MiB of float32, so that q k^T, the row kernel and p v pass them through
+    cache instead of memory (and no large buffer is allocated per layer); one tile elsewhere."""
+    budget = TILE_ELEMENTS
+    if device.type != "cpu" or B * H * T * S <= budget:
+        return [(slice(0, B), slice(0, T))]
+    if H * T * S <= budget:
+        c = budget // (H * T * S)
+        return [(slice(b, min(B, b + c)), slice(0, T)) for b in range(0, B, c)]
+    tq = max(1, budget // (H * S))
+    return [(slice(b, b + 1), slice(t, min(T, t + tq))) for b in range(B) for t in range(0, T, tq)]
+
+
+def _tile(m: Optional[Tensor], bs: slice, ts: Optional[slice] = None) -> Optional[Tensor]:
+    """A (B|1, T|1, ...) tensor's rows for batch range bs (and query range ts); broadcast
+    dims stay."""
+    if m is None:
+        return None
+    m = m if m.shape[0] == 1 else m[bs]
+    return m if ts is None or m.shape[1] == 1 else m[:, ts]
+
+
 class _ComposedAttention(torch.autograd.Function):
-    """(q, k, v, mask, mq1, mk1, mq2, mk2) -> compose2(softmax(compose1(q k^T) + mask)) @ v.
+    """(q, k, v, mask, mq1, mk1, mq2, mk2) -> compose2(softmax(compose1(scale q k^T) + mask)) @ v.
 
     With ``v`` None it returns the composed weights (B, H, T, S) instead (for dropout
-    outside). Saves only its inputs; backward recomputes the maps row by row.
+    outside). Saves only its inputs; backward recomputes the maps, tile by tile.
     """
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
                 mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                mk2: Optional[Tensor], backend: str) -> Tensor:
-        ctx.backend = backend
+                mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
+        q, k = q.contiguous(), k.contiguous()
+        v = None if v is None else v.contiguous()
+        ctx.backend, ctx.scale = backend, scale
         ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2)
-        s0 = _scores(q, k)
-        if backend == "cpp":
-            p2 = _rows_forward_cpp(s0, _mask_to(mask, s0), (mq1, mk1), (mq2, mk2))
-        elif backend == "triton":
-            from .kernels import compose_triton
-            p2 = compose_triton.rows_forward(s0, _mask_to(mask, s0), (mq1, mk1), (mq2, mk2))
-        else:
-            p2 = _rows_forward_torch(s0, _mask_to(mask, s0), (mq1, mk1), (mq2, mk2))
-        if v is None:
-            return p2.to(q.dtype)
-        return p2.to(v.dtype) @ v                                            # (B, H, T, D)
+        B, H, T, _ = q.shape
+        S = k.shape[2]
+        mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
+        tiles = _tiles(B, H, T, S, q.device)
+        out = None
+        for bs, ts in tiles:
+            s0 = _scores(q[bs, :, ts], k[bs], scale)                         # (b, H, t, S)
+            pre, post = (_tile(mq1, bs, ts), _tile(mk1, bs)), (_tile(mq2, bs, ts), _tile(mk2, bs))
+            p2 = _rows_forward(backend, s0, None if mask is None else mask[bs, :, ts], pre, post)
+            o = p2.to(q.dtype) if v is None else _bmm(p2.to(v.dtype), v[bs])  # (b, H, t, S|D)
+            if len(tiles) == 1:
+                return o
+            if out is None:
+                out = o.new_empty(B, H, T, o.shape[-1])
+            out[bs, :, ts] = o
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, mask, mq1, mk1, mq2, mk2 = ctx.saved_tensors
-        s0 = _scores(q, k)
-        if v is None:
-            dp2 = grad.to(s0.dtype).contiguous()
-        else:
-            dp2 = (grad @ v.transpose(-2, -1)).to(s0.dtype).contiguous()     # (B, H, T, S)
-        pre, post = (_cast(mq1, s0), _cast(mk1, s0)), (_cast(mq2, s0), _cast(mk2, s0))
-        if ctx.backend == "cpp":
-            p2, ds0, dpre, dpost = _rows_backward_cpp(s0, _mask_to(mask, s0), pre, post, dp2)
-        else:
-            p2, ds0, dpre, dpost = _rows_backward_torch(s0, _mask_to(mask, s0), pre, post, dp2)
-        dv = None
-        if v is not None:
-            dv = (p2.to(v.dtype).transpose(-2, -1) @ grad).to(v.dtype)      # (B, H, S, D)
-        ds0 = ds0.to(q.dtype)
-        dq = ds0 @ k                                                         # (B, H, T, D)
-        dk = ds0.transpose(-2, -1) @ q                                       # (B, H, S, D)
-        return (dq, dk, dv, None, _reduce_to(dpre[0], mq1), _reduce_to(dpre[1], mk1),
-                _reduce_to(dpost[0], mq2), _reduce_to(dpost[1], mk2), None)
+        scale, cdt = ctx.scale, _compute_dtype(q)
+        B, H, T, _ = q.shape
+        S = k.shape[2]
+        mask = _mask_to(mask, (B, H, T, S), cdt)
+        grad = grad.contiguous()
+        dq, dk = torch.empty_like(q), torch.zeros_like(k)
+        dv = None if v is None else torch.zeros_like(v)
+        mats = [_cast(m, cdt) for m in (mq1, mk1, mq2, mk2)]
+        dmats: List[Optional[Tensor]] = [None] * 4              # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
+        for bs, ts in _tiles(B, H, T, S, q.device):
+            qt, g = q[bs, :, ts], grad[bs, :, ts]
+            s0 = _scores(qt, k[bs], scale)                                   # (b, H, t, S)
+            dp2 = g.to(cdt) if v is None else _bmm(g, v[bs].transpose(-2, -1)).to(cdt)
+            pre = (_tile(mats[0], bs, ts), _tile(mats[1], bs))
+            post = (_tile(mats[2], bs, ts), _tile(mats[3], bs))
+            p2, ds0, dpre, dpost = _rows_backward(ctx.backend, s0, None if mask is None else mask[bs, :, ts],
+                                                  pre, post, dp2)
+            for i, d in enumerate((*dpre, *dpost)):
+                if d is None:
+                    continue
+                if dmats[i] is None:
+                    dmats[i] = d.new_zeros(B, T if i % 2 == 0 else S, H, H)
+                if i % 2 == 0:
+                    dmats[i][bs, ts] = d                                      # per query row
+                else:
+                    dmats[i][bs] += d                                         # summed over query tiles
+            if dv is not None:
+                dv[bs] += _bmm(p2.to(v.dtype).transpose(-2, -1), g).to(dv.dtype)   # (b, H, S, D)
+            ds0 = ds0.to(q.dtype)
+            dq[bs, :, ts] = _bmm(ds0, k[bs], scale)                          # (b, H, t, D)
+            dk[bs] += _bmm(ds0.transpose(-2, -1), qt, scale)                 # (b, H, S, D)
+        return (dq, dk, dv, None, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2))),
+                None, None)
 
 
-def _cast(m: Optional[Tensor], s0: Tensor) -> Optional[Tensor]:
-    return None if m is None else m.to(s0.dtype)
+def _rows_forward(backend: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
+    if backend == "cpp":
+        return _rows_forward_cpp(s0, mask, pre, post)
+    if backend == "triton":
+        from .kernels import compose_triton
+        return compose_triton.rows_forward(s0, mask, pre, post)
+    return _rows_forward_torch(s0, mask, pre, post)
 
 
-def _scores(q: Tensor, k: Tensor) -> Tensor:
-    """Raw scores q k^T in the compute dtype (float32 for bf16/fp16 inputs), contiguous."""
+def _rows_backward(backend: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
+                   dp2: Tensor) -> Tuple[Tensor, Tensor, Stage, Stage]:
+    if backend == "cpp":
+        return _rows_backward_cpp(s0, mask, pre, post, dp2)
+    return _rows_backward_torch(s0, mask, pre, post, dp2)
+
+
+def _cast(m: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    return None if m is None else m.to(dtype)
+
+
+def _bmm(a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
+    """``alpha * a @ b`` over the leading dims as one batched GEMM (scale folded into it)."""
+    *lead, n, _ = a.shape
+    out = torch.baddbmm(a.new_zeros(()), a.reshape(-1, n, a.shape[-1]),
+                        b.reshape(-1, b.shape[-2], b.shape[-1]), beta=0, alpha=alpha)
+    return out.view(*lead, n, b.shape[-1])
+
+
+def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
+    """Scaled scores ``scale q k^T`` in the compute dtype (float32 for bf16/fp16 inputs)."""
     with torch.autocast(q.device.type, enabled=False):
-        s0 = q @ k.transpose(-2, -1)                                         # (B, H, T, S)
+        s0 = _bmm(q, k.transpose(-2, -1), scale)                             # (B, H, T, S)
     return s0.to(_compute_dtype(q)).contiguous()
 
 
-def _mask_to(mask: Optional[Tensor], s0: Tensor) -> Optional[Tensor]:
-    """The additive mask as a (B, H, T, S)-broadcast view in s0's dtype (strides may be 0)."""
+def _mask_to(mask: Optional[Tensor], shape: Tuple[int, int, int, int], dtype: torch.dtype) -> Optional[Tensor]:
+    """The additive mask as a (B, H, T, S)-broadcast view in ``dtype`` (strides may be 0)."""
     if mask is None:
         return None
-    m = mask.to(s0.dtype)
+    m = mask.to(dtype)
     while m.dim() < 4:
         m = m.unsqueeze(0)
-    return m.expand(s0.shape)
+    return m.expand(shape)
 
 
 def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
-                       pre: Stage, post: Stage, backend: str) -> Tensor:
+                       pre: Stage, post: Stage, backend: str, scale: float = 1.0) -> Tensor:
     """The DCMHA attention core with per-token compose matrices (see module docstring).
 
-    q (already scaled), k, v: (B, H, N, D); mask: additive, broadcast to (B, H, T, S), or
+    q, k, v: (B, H, N, D), any strides; scale: multiplies q k^T (folded into the GEMM);
+    mask: additive, broadcast to (B, H, T, S), or
     None; pre/post: ``(mq, mk)`` from `compose_matrices`, or ``(None, None)`` for an absent
     stage; backend: ``"cpp"``, ``"triton"`` or ``"torch"``. Returns (B, H, T, D), or the
     composed weights (B, H, T, S) when ``v`` is None.
@@ -439,13 +514,13 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     if backend == "cpp" and q.device.type != "cpu":
         raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
                          "use 'triton' or 'torch'")
-    return _ComposedAttention.apply(q, k, v, mask, pre[0], pre[1], post[0], post[1], backend)
+    return _ComposedAttention.apply(q, k, v, mask, pre[0], pre[1], post[0], post[1], backend, scale)
 
 
 def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
-                               pre: Stage, post: Stage) -> Tensor:
+                               pre: Stage, post: Stage, scale: float = 1.0) -> Tensor:
     """Plain differentiable form of `composed_attention` for ``torch.compile`` to fuse."""
-    a = q @ k.transpose(-2, -1)                                              # (B, H, T, S)
+    a = (q * scale) @ k.transpose(-2, -1)                                    # (B, H, T, S)
     if pre[0] is not None:
         a = _mix_fusable(a, pre[0].to(a.dtype), None if pre[1] is None else pre[1].to(a.dtype))
     if mask is not None:

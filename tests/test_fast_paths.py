@@ -176,6 +176,33 @@ def test_function_gradcheck_against_finite_differences():
                                             fast_mode=True), backend
 
 
+@pytest.mark.parametrize("budget", [2 * 3 * 9 * 9, 3 * 4 * 9])   # two batch elements / four queries a tile
+def test_tiled_attention_equals_one_tile(monkeypatch, budget):
+    """Batch-chunked and query-split tiles give the untiled outputs and every gradient."""
+    g = torch.Generator().manual_seed(3)
+    B, H, N, D = 5, 3, 9, 4
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    inputs = [r(B, H, N, D), r(B, H, N, D), r(B, H, N, D), r(B, N, H, H), r(B, N, H, H),
+              r(1, 1, H, H), r(B, N, H, H)]
+    mask = torch.where(torch.rand(B, 1, N, N, generator=g) > 0.3, 0.0, float("-inf")).double()
+    mask[..., 0] = 0.0
+    for backend in ["torch"] + (["cpp"] if HAS_CPP else []):
+        for with_v in (True, False):
+            def run(tile_elements):
+                monkeypatch.setattr(fused, "TILE_ELEMENTS", tile_elements)
+                tiles = fused._tiles(B, H, N, N, torch.device("cpu"))
+                assert len(tiles) == (1 if tile_elements > 10**6 else 3 if budget == 486 else 15)
+                q, k, v, mq1, mk1, mq2, mk2 = inputs
+                out = fused.composed_attention(q, k, v if with_v else None, mask, (mq1, mk1), (mq2, mk2),
+                                               backend, scale=0.7)
+                grads = torch.autograd.grad(out, [x for x in inputs if with_v or x is not inputs[2]],
+                                            torch.ones_like(out))
+                return out, grads
+            want, got = run(1 << 30), run(budget)
+            for a, b in zip([want[0], *want[1]], [got[0], *got[1]]):
+                torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
+
+
 @pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
 def test_cpp_rows_equal_torch_rows_float32():
     g = torch.Generator().manual_seed(1)

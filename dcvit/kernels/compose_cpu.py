@@ -34,41 +34,100 @@ SOURCE = r"""
 #include <limits>
 #include <vector>
 #include <thread>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
-// out[i, s] = sum_j in[j, s] * (m[j, i] + mk[j, i, s]); transposed: m[i, j], mk[i, j, s].
-// Blocks of CH keys: the accumulator of one output head stays in registers over all j.
-constexpr int64_t CH = 16;
+// 32-byte vectors through GCC/Clang vector extensions (AVX2 registers where the CPU has them;
+// the compiler splits them elsewhere). L lanes of T.
+template <typename T> struct VecOf { typedef T type __attribute__((vector_size(32))); };
+template <typename T> using Vec = typename VecOf<T>::type;
+template <typename T> constexpr int64_t lanes() { return 32 / sizeof(T); }
+template <typename T> inline Vec<T> vload(const T* p) { Vec<T> v; std::memcpy(&v, p, sizeof v); return v; }
+template <typename T> inline void vstore(T* p, Vec<T> v) { std::memcpy(p, &v, sizeof v); }
+template <typename T> inline Vec<T> vsplat(T x) { return Vec<T>{} + x; }
+template <typename T> inline T vsum(Vec<T> v) {
+  T s = T(0);
+  for (int64_t l = 0; l < lanes<T>(); ++l) s += v[l];
+  return s;
+}
+
+// Heads are a template argument (HC > 0) for the usual head counts, so that a block of keys
+// keeps every head's accumulator in registers; HC == 0 reads the count at run time.
+constexpr int64_t kMaxHeads = 64;
+template <int HC> inline int64_t heads(int64_t h) { return HC > 0 ? HC : h; }
+template <int HC> constexpr int64_t acc_size() { return HC > 0 ? HC : kMaxHeads; }
+
+// A row holds one query's scores against all S keys for every head: (H, S) at head stride hs.
+// Rows of the caller's tensors have len == S; the kernel's own row buffers are padded with
+// zeros to SP = nb * L keys (len == SP) so that every block of L keys is a full vector.
 template <typename T>
-void mix(const T* __restrict__ in, int64_t in_hs, T* __restrict__ out, const T* __restrict__ m,
-         const T* __restrict__ mk, int64_t H, int64_t S, bool transpose) {
-  const int64_t full = S - S % CH;
-  for (int64_t i = 0; i < H; ++i) {
-    T* __restrict__ o = out + i * S;
-    for (int64_t s0 = 0; s0 < full; s0 += CH) {
-      T acc[CH] = {};
-      for (int64_t j = 0; j < H; ++j) {
-        const int64_t idx = transpose ? i * H + j : j * H + i;
-        const T* __restrict__ x = in + j * in_hs + s0;
-        const T c = m[idx];
-        if (mk != nullptr) {
-          const T* __restrict__ kv = mk + idx * S + s0;
-          for (int64_t s = 0; s < CH; ++s) acc[s] += x[s] * (c + kv[s]);
-        } else {
-          for (int64_t s = 0; s < CH; ++s) acc[s] += c * x[s];
-        }
+struct Row {
+  T* ptr;
+  int64_t hs, len;
+  Vec<T> load(int64_t h, int64_t blk) const {
+    const int64_t s = blk * lanes<T>();
+    const T* p = ptr + h * hs + s;
+    if (s + lanes<T>() <= len) return vload(p);
+    Vec<T> v{};                                        // the last, partial block of a tensor row
+    std::memcpy(&v, p, sizeof(T) * (len - s));
+    return v;
+  }
+  void store(int64_t h, int64_t blk, Vec<T> v) const {
+    const int64_t s = blk * lanes<T>();
+    T* p = ptr + h * hs + s;
+    if (s + lanes<T>() <= len) vstore(p, v);
+    else std::memcpy(p, &v, sizeof(T) * (len - s));
+  }
+};
+
+// Key-wise matrices are repacked per batch element as (nb, H, H, L): one key block's H×H
+// coefficients are contiguous.
+//
+// out[i, :] = sum_j in[j, :] * (m[j, i] + mk[blk, j, i, :])   (TR: m[i, j], mk[blk, i, j, :])
+template <typename T, int HC, bool TR>
+void mix(const Row<T> in, const Row<T> out, const T* __restrict__ m, const T* __restrict__ mk,
+         int64_t h, int64_t nb) {
+  constexpr int64_t L = lanes<T>();
+  const int64_t H = heads<HC>(h);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    Vec<T> acc[acc_size<HC>()];
+    for (int64_t i = 0; i < H; ++i) acc[i] = Vec<T>{};
+    const T* __restrict__ kb = mk != nullptr ? mk + blk * H * H * L : nullptr;
+    for (int64_t j = 0; j < H; ++j) {
+      const Vec<T> x = in.load(j, blk);
+      for (int64_t i = 0; i < H; ++i) {
+        const int64_t idx = TR ? i * H + j : j * H + i;
+        Vec<T> c = vsplat(m[idx]);
+        if (kb != nullptr) c += vload(kb + idx * L);
+        acc[i] += x * c;
       }
-      for (int64_t s = 0; s < CH; ++s) o[s0 + s] = acc[s];
     }
-    for (int64_t s = full; s < S; ++s) {
-      T acc = T(0);
-      for (int64_t j = 0; j < H; ++j) {
-        const int64_t idx = transpose ? i * H + j : j * H + i;
-        acc += in[j * in_hs + s] * (m[idx] + (mk != nullptr ? mk[idx * S + s] : T(0)));
+    for (int64_t i = 0; i < H; ++i) out.store(i, blk, acc[i]);
+  }
+}
+
+// dm[g, h] = sum_s a[g, s] d[h, s];  dmk[blk, g, h, :] += a[g, blk] * d[h, blk]  (dmk may be null).
+template <typename T, int HC>
+void mix_grad(const Row<T> a, const Row<T> d, T* __restrict__ dm, T* __restrict__ dmk, int64_t h,
+              int64_t nb) {
+  constexpr int64_t L = lanes<T>();
+  const int64_t H = heads<HC>(h);
+  for (int64_t g = 0; g < H; ++g) {
+    Vec<T> acc[acc_size<HC>()];
+    for (int64_t i = 0; i < H; ++i) acc[i] = Vec<T>{};
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const Vec<T> x = a.load(g, blk);
+      T* __restrict__ kb = dmk != nullptr ? dmk + (blk * H + g) * H * L : nullptr;
+      for (int64_t i = 0; i < H; ++i) {
+        const Vec<T> p = x * d.load(i, blk);
+        acc[i] += p;
+        if (kb != nullptr) vstore(kb + i * L, vload(kb + i * L) + p);
       }
-      o[s] = acc;
     }
+    for (int64_t i = 0; i < H; ++i) dm[g * H + i] = vsum<T>(acc[i]);
   }
 }
 
@@ -93,74 +152,96 @@ inline float vexp(float x) {
 }
 inline double vexp(double x) { return std::exp(x); }
 
-// dm[g, h] = sum_s a[g, s] * d[h, s];  dmk[g, h, s] += a[g, s] * d[h, s].
+// x (H, SP) += mask row, softmax over the first S keys of each head; padding set to 0.
 template <typename T>
-void mix_grad(const T* __restrict__ a, int64_t a_hs, const T* __restrict__ d, int64_t d_hs,
-              T* __restrict__ dm, T* __restrict__ dmk, int64_t H, int64_t S) {
-  for (int64_t g = 0; g < H; ++g) {
-    const T* __restrict__ x = a + g * a_hs;
-    for (int64_t h = 0; h < H; ++h) {
-      const T* __restrict__ y = d + h * d_hs;
-      T acc = T(0);
-      if (dmk != nullptr) {
-        T* __restrict__ k = dmk + (g * H + h) * S;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t s = 0; s < S; ++s) {
-          const T p = x[s] * y[s];
-          acc += p;
-          k[s] += p;
-        }
-      } else {
-#pragma omp simd reduction(+ : acc)
-        for (int64_t s = 0; s < S; ++s) acc += x[s] * y[s];
-      }
-      dm[g * H + h] = acc;
-    }
-  }
-}
-
-template <typename T>
-void mask_softmax(T* __restrict__ x, const T* mask, int64_t msh, int64_t mss, int64_t H, int64_t S) {
+void mask_softmax(T* __restrict__ x, const T* mask, int64_t msh, int64_t mss, int64_t H, int64_t S,
+                  int64_t SP) {
   for (int64_t h = 0; h < H; ++h) {
-    T* __restrict__ r = x + h * S;
+    T* __restrict__ r = x + h * SP;
     if (mask != nullptr) {
       const T* mr = mask + h * msh;
       for (int64_t s = 0; s < S; ++s) r[s] += mr[s * mss];
     }
+    for (int64_t s = S; s < SP; ++s) r[s] = -std::numeric_limits<T>::infinity();
     T mx = -std::numeric_limits<T>::infinity();
 #pragma omp simd reduction(max : mx)
-    for (int64_t s = 0; s < S; ++s) mx = r[s] > mx ? r[s] : mx;
+    for (int64_t s = 0; s < SP; ++s) mx = r[s] > mx ? r[s] : mx;
     T sum = T(0);
-#pragma omp simd
-    for (int64_t s = 0; s < S; ++s) r[s] = vexp(r[s] - mx);
 #pragma omp simd reduction(+ : sum)
-    for (int64_t s = 0; s < S; ++s) sum += r[s];
+    for (int64_t s = 0; s < SP; ++s) {
+      const T e = vexp(r[s] - mx);
+      r[s] = e;
+      sum += e;
+    }
     const T inv = T(1) / sum;
-    for (int64_t s = 0; s < S; ++s) r[s] *= inv;
+#pragma omp simd
+    for (int64_t s = 0; s < SP; ++s) r[s] *= inv;
   }
 }
 
-// Gather an (H, S) row with head stride hs into a contiguous buffer, or scatter it back.
+// d = p * (d - sum_s p d), per head (the softmax backward, in place).
 template <typename T>
-void gather(const T* src, int64_t hs, T* dst, int64_t H, int64_t S) {
-  for (int64_t h = 0; h < H; ++h) std::memcpy(dst + h * S, src + h * hs, sizeof(T) * S);
-}
-template <typename T>
-void scatter(const T* src, T* dst, int64_t hs, int64_t H, int64_t S) {
-  for (int64_t h = 0; h < H; ++h) std::memcpy(dst + h * hs, src + h * S, sizeof(T) * S);
+void softmax_grad(const T* __restrict__ p, T* __restrict__ d, int64_t H, int64_t SP) {
+  for (int64_t h = 0; h < H; ++h) {
+    const T* __restrict__ pr = p + h * SP;
+    T* __restrict__ dr = d + h * SP;
+    T dot = T(0);
+#pragma omp simd reduction(+ : dot)
+    for (int64_t s = 0; s < SP; ++s) dot += pr[s] * dr[s];
+#pragma omp simd
+    for (int64_t s = 0; s < SP; ++s) dr[s] = pr[s] * (dr[s] - dot);
+  }
 }
 
-// Run fn(begin, end, tid) over [0, rows) split in nthreads contiguous ranges. Plain threads
-// rather than OpenMP: a second OpenMP runtime beside torch's would keep spinning after each
-// call and starve torch's own threads on the same cores.
+// Copy a row into another (a padded buffer's padding is zero-filled).
+template <typename T>
+void copy_row(const Row<T> src, const Row<T> dst, int64_t H) {
+  const int64_t n = std::min(src.len, dst.len);
+  for (int64_t h = 0; h < H; ++h) {
+    std::memcpy(dst.ptr + h * dst.hs, src.ptr + h * src.hs, sizeof(T) * n);
+    std::fill(dst.ptr + h * dst.hs + n, dst.ptr + h * dst.hs + dst.len, T(0));
+  }
+}
+
+// (H, H, S) key-wise matrices of one batch element -> (nb, H, H, L), zero-padded; and back.
+template <typename T>
+void pack_keys(const T* src, T* dst, int64_t H, int64_t S, int64_t nb) {
+  constexpr int64_t L = lanes<T>();
+  for (int64_t blk = 0; blk < nb; ++blk)
+    for (int64_t idx = 0; idx < H * H; ++idx)
+      for (int64_t l = 0; l < L; ++l) {
+        const int64_t s = blk * L + l;
+        dst[(blk * H * H + idx) * L + l] = s < S ? src[idx * S + s] : T(0);
+      }
+}
+template <typename T>
+void unpack_keys(const T* src, T* dst, int64_t H, int64_t S, int64_t nb) {
+  constexpr int64_t L = lanes<T>();
+  for (int64_t blk = 0; blk < nb; ++blk)
+    for (int64_t idx = 0; idx < H * H; ++idx)
+      for (int64_t l = 0; l < L && blk * L + l < S; ++l)
+        dst[idx * S + blk * L + l] = src[(blk * H * H + idx) * L + l];
+}
+
+// Run fn(begin, end, tid) over [0, rows) split in nthreads contiguous ranges. With OpenMP the
+// library links libgomp.so.1, which resolves to the copy torch has already loaded: the rows run
+// on torch's own (already awake) worker threads instead of beside them.
 template <typename F>
 void parallel_rows(int64_t rows, int nthreads, F fn) {
   const int64_t n = std::max<int64_t>(1, std::min<int64_t>(nthreads, rows));
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+  {
+    const int64_t k = omp_get_thread_num(), m = omp_get_num_threads();
+    fn(rows * k / m, rows * (k + 1) / m, k);
+  }
+#else
   std::vector<std::thread> pool;
   for (int64_t k = 1; k < n; ++k)
     pool.emplace_back(fn, rows * k / n, rows * (k + 1) / n, k);
   fn(0, rows / n, 0);
   for (auto& th : pool) th.join();
+#endif
 }
 
 struct Mask {
@@ -168,101 +249,159 @@ struct Mask {
   int64_t sb, sh, st, ss;
 };
 
-// softmax(compose1(s0) + mask) for row (b, t) into p (H, S contiguous).
-template <typename T>
-void row_probs(const T* a_row, int64_t hs, const Mask& mask, const T* mq1, const T* mk1,
-               int64_t b, int64_t t, int64_t H, int64_t S, T* p) {
-  if (mq1 != nullptr) mix<T>(a_row, hs, p, mq1, mk1, H, S, false);
-  else gather<T>(a_row, hs, p, H, S);
-  const T* m_row = mask.ptr == nullptr ? nullptr
-      : static_cast<const T*>(mask.ptr) + b * mask.sb + t * mask.st;
-  mask_softmax<T>(p, m_row, mask.sh, mask.ss, H, S);
-}
+struct Dims {
+  int64_t B, H, T, S, nb, SP;
+};
 
 template <typename T>
-void rows_forward(const T* s0, T* p2, Mask mask, const T* mq1, const T* mk1, const T* mq2,
-                  const T* mk2, int64_t B, int64_t H, int64_t T_, int64_t S, int nthreads) {
-  const int64_t hs = T_ * S, rows = B * T_;
-  parallel_rows(rows, nthreads, [&](int64_t begin, int64_t end, int64_t) {
-    std::vector<T> pbuf(H * S), qbuf(H * S);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / T_, t = row % T_, off = (b * H * T_ + t) * S;
-      T* p = pbuf.data();
-      row_probs<T>(s0 + off, hs, mask, mq1 ? mq1 + row * H * H : nullptr,
-                   mk1 ? mk1 + b * H * H * S : nullptr, b, t, H, S, p);
-      if (mq2 != nullptr) {
-        mix<T>(p, S, qbuf.data(), mq2 + row * H * H, mk2 ? mk2 + b * H * H * S : nullptr, H, S, false);
-        p = qbuf.data();
-      }
-      scatter<T>(p, p2 + off, hs, H, S);
-    }
-  });
+Dims dims(int64_t B, int64_t H, int64_t T_, int64_t S) {
+  const int64_t nb = (S + lanes<T>() - 1) / lanes<T>();
+  return Dims{B, H, T_, S, nb, nb * lanes<T>()};
 }
 
+// One thread's buffers: three padded rows and the packed key-wise matrices of its current
+// batch element.
 template <typename T>
-void rows_backward(const T* s0, const T* dp2, T* p2, T* ds0, Mask mask, const T* mq1, const T* mk1,
-                   const T* mq2, const T* mk2, T* dmq1, T* dmk1_acc, T* dmq2, T* dmk2_acc,
-                   int64_t B, int64_t H, int64_t T_, int64_t S, int nthreads) {
-  const int64_t hs = T_ * S, rows = B * T_, hhs = H * H * S;
-  parallel_rows(rows, nthreads, [&](int64_t begin, int64_t end, int64_t tid) {
-    std::vector<T> pbuf(H * S), qbuf(H * S), dbuf(H * S);
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = row / T_, t = row % T_, off = (b * H * T_ + t) * S;
-      const T* mq1r = mq1 ? mq1 + row * H * H : nullptr;
-      const T* mk1b = mk1 ? mk1 + b * hhs : nullptr;
-      T* p = pbuf.data();
-      T* dp = dbuf.data();
-      row_probs<T>(s0 + off, hs, mask, mq1r, mk1b, b, t, H, S, p);
-      if (mq2 != nullptr) {
-        const T* mq = mq2 + row * H * H;
-        const T* mk = mk2 ? mk2 + b * hhs : nullptr;
-        mix<T>(p, S, qbuf.data(), mq, mk, H, S, false);
-        scatter<T>(qbuf.data(), p2 + off, hs, H, S);
-        mix<T>(dp2 + off, hs, dp, mq, mk, H, S, true);
-        mix_grad<T>(p, S, dp2 + off, hs, dmq2 + row * H * H,
-                    dmk2_acc ? dmk2_acc + (tid * B + b) * hhs : nullptr, H, S);
-      } else {
-        scatter<T>(p, p2 + off, hs, H, S);
-        gather<T>(dp2 + off, hs, dp, H, S);
+struct Scratch {
+  std::vector<T> p, q, d, mk1, mk2;
+  int64_t b = -1;
+  explicit Scratch(const Dims& n) : p(n.H * n.SP), q(n.H * n.SP), d(n.H * n.SP),
+                                    mk1(n.nb * n.H * n.H * lanes<T>()),
+                                    mk2(n.nb * n.H * n.H * lanes<T>()) {}
+  void enter(int64_t bb, const Dims& n, const T* k1, const T* k2) {
+    if (bb == b) return;
+    b = bb;
+    const int64_t hhs = n.H * n.H * n.S;
+    if (k1 != nullptr) pack_keys<T>(k1 + bb * hhs, mk1.data(), n.H, n.S, n.nb);
+    if (k2 != nullptr) pack_keys<T>(k2 + bb * hhs, mk2.data(), n.H, n.S, n.nb);
+  }
+  Row<T> buf(std::vector<T>& v, const Dims& n) { return Row<T>{v.data(), n.SP, n.SP}; }
+};
+
+template <typename T, int HC>
+struct Rows {
+  // p = softmax(compose1(a) + mask) for row (b, t) into the padded buffer p.
+  static void probs(const Row<T> a, const Row<T> p, const Dims& n, const Mask& mask, const T* mq1,
+                    const T* mk1, int64_t b, int64_t t) {
+    if (mq1 != nullptr) mix<T, HC, false>(a, p, mq1, mk1, n.H, n.nb);
+    else copy_row<T>(a, p, n.H);
+    const T* m_row = mask.ptr == nullptr ? nullptr
+        : static_cast<const T*>(mask.ptr) + b * mask.sb + t * mask.st;
+    mask_softmax<T>(p.ptr, m_row, mask.sh, mask.ss, n.H, n.S, n.SP);
+  }
+
+  static void forward(const T* s0, T* p2, Mask mask, const T* mq1, const T* mk1, const T* mq2,
+                      const T* mk2, const Dims n, int nthreads) {
+    const int64_t hs = n.T * n.S, HH = n.H * n.H;
+    parallel_rows(n.B * n.T, nthreads, [&](int64_t begin, int64_t end, int64_t) {
+      Scratch<T> w(n);
+      const Row<T> p = w.buf(w.p, n);
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / n.T, t = row % n.T, off = (b * n.H * n.T + t) * n.S;
+        w.enter(b, n, mk1, mk2);
+        const Row<T> a{const_cast<T*>(s0) + off, hs, n.S}, out{p2 + off, hs, n.S};
+        probs(a, p, n, mask, mq1 ? mq1 + row * HH : nullptr, mk1 ? w.mk1.data() : nullptr, b, t);
+        if (mq2 != nullptr)
+          mix<T, HC, false>(p, out, mq2 + row * HH, mk2 ? w.mk2.data() : nullptr, n.H, n.nb);
+        else
+          copy_row<T>(p, out, n.H);
       }
-      // softmax backward, in place: ds1 = p * (dp - sum_s p * dp).
-      for (int64_t h = 0; h < H; ++h) {
-        const T* __restrict__ pr = p + h * S;
-        T* __restrict__ dr = dp + h * S;
-        T dot = T(0);
-#pragma omp simd reduction(+ : dot)
-        for (int64_t s = 0; s < S; ++s) dot += pr[s] * dr[s];
-        for (int64_t s = 0; s < S; ++s) dr[s] = pr[s] * (dr[s] - dot);
+    });
+  }
+
+  // Recompute the row, back-propagate dp2 through compose2, softmax and compose1.
+  // dmk*_acc: (nthreads, B, H, H, S), zero-filled by the caller; each thread writes the
+  // key-wise gradients of the batch elements it covers into its own slice.
+  static void backward(const T* s0, const T* dp2, T* p2, T* ds0, Mask mask, const T* mq1,
+                       const T* mk1, const T* mq2, const T* mk2, T* dmq1, T* dmk1_acc, T* dmq2,
+                       T* dmk2_acc, const Dims n, int nthreads) {
+    const int64_t hs = n.T * n.S, HH = n.H * n.H, hhs = HH * n.S;
+    parallel_rows(n.B * n.T, nthreads, [&](int64_t begin, int64_t end, int64_t tid) {
+      Scratch<T> w(n);
+      const Row<T> p = w.buf(w.p, n), q = w.buf(w.q, n), d = w.buf(w.d, n);
+      const int64_t packed = n.nb * HH * lanes<T>();
+      std::vector<T> g1(dmk1_acc ? packed : 0), g2(dmk2_acc ? packed : 0);
+      auto flush = [&](int64_t b) {                    // packed key grads of b -> dmk*_acc[tid, b]
+        if (b < 0) return;
+        if (dmk1_acc) unpack_keys<T>(g1.data(), dmk1_acc + (tid * n.B + b) * hhs, n.H, n.S, n.nb);
+        if (dmk2_acc) unpack_keys<T>(g2.data(), dmk2_acc + (tid * n.B + b) * hhs, n.H, n.S, n.nb);
+        std::fill(g1.begin(), g1.end(), T(0));
+        std::fill(g2.begin(), g2.end(), T(0));
+      };
+      for (int64_t row = begin; row < end; ++row) {
+        const int64_t b = row / n.T, t = row % n.T, off = (b * n.H * n.T + t) * n.S;
+        if (b != w.b) flush(w.b);
+        w.enter(b, n, mk1, mk2);
+        const T* mq1r = mq1 ? mq1 + row * HH : nullptr;
+        const T* k1 = mk1 ? w.mk1.data() : nullptr;
+        const Row<T> a{const_cast<T*>(s0) + off, hs, n.S}, g{const_cast<T*>(dp2) + off, hs, n.S};
+        const Row<T> out{p2 + off, hs, n.S}, da{ds0 + off, hs, n.S};
+        probs(a, p, n, mask, mq1r, k1, b, t);
+        if (mq2 != nullptr) {
+          const T* mq = mq2 + row * HH;
+          const T* k2 = mk2 ? w.mk2.data() : nullptr;
+          mix<T, HC, false>(p, out, mq, k2, n.H, n.nb);
+          mix<T, HC, true>(g, d, mq, k2, n.H, n.nb);
+          mix_grad<T, HC>(p, g, dmq2 + row * HH, dmk2_acc ? g2.data() : nullptr, n.H, n.nb);
+        } else {
+          copy_row<T>(p, out, n.H);
+          copy_row<T>(g, d, n.H);
+        }
+        softmax_grad<T>(p.ptr, d.ptr, n.H, n.SP);
+        if (mq1r != nullptr) {
+          mix<T, HC, true>(d, da, mq1r, k1, n.H, n.nb);
+          mix_grad<T, HC>(a, d, dmq1 + row * HH, dmk1_acc ? g1.data() : nullptr, n.H, n.nb);
+        } else {
+          copy_row<T>(d, da, n.H);
+        }
       }
-      if (mq1r != nullptr) {
-        mix<T>(dp, S, qbuf.data(), mq1r, mk1b, H, S, true);
-        scatter<T>(qbuf.data(), ds0 + off, hs, H, S);
-        mix_grad<T>(s0 + off, hs, dp, S, dmq1 + row * H * H,
-                    dmk1_acc ? dmk1_acc + (tid * B + b) * hhs : nullptr, H, S);
-      } else {
-        scatter<T>(dp, ds0 + off, hs, H, S);
-      }
-    }
-  });
+      flush(w.b);
+    });
+  }
+};
+
+// Dispatch on the head count: the usual ones are compiled with it fixed.
+template <typename T, typename F>
+void with_heads(int64_t H, F fn) {
+  switch (H) {
+    case 1: fn(Rows<T, 1>{}); break;
+    case 2: fn(Rows<T, 2>{}); break;
+    case 3: fn(Rows<T, 3>{}); break;
+    case 4: fn(Rows<T, 4>{}); break;
+    case 6: fn(Rows<T, 6>{}); break;
+    case 8: fn(Rows<T, 8>{}); break;
+    case 12: fn(Rows<T, 12>{}); break;
+    case 16: fn(Rows<T, 16>{}); break;
+    default: fn(Rows<T, 0>{}); break;
+  }
 }
 
 }  // namespace
 
 #define DCVIT_EXPORT(T, SUFFIX)                                                                   \
-  extern "C" void dcvit_rows_forward_##SUFFIX(                                                    \
+  extern "C" int dcvit_rows_forward_##SUFFIX(                                                     \
       const T* s0, T* p2, const T* mask, int64_t msb, int64_t msh, int64_t mst, int64_t mss,      \
       const T* mq1, const T* mk1, const T* mq2, const T* mk2,                                     \
       int64_t B, int64_t H, int64_t T_, int64_t S, int nthreads) {                                \
-    rows_forward<T>(s0, p2, Mask{mask, msb, msh, mst, mss}, mq1, mk1, mq2, mk2, B, H, T_, S,     \
-                    nthreads);                                                                    \
+    if (H > kMaxHeads) return 1;                                                                  \
+    const Dims n = dims<T>(B, H, T_, S);                                                          \
+    with_heads<T>(H, [&](auto rows) {                                                             \
+      rows.forward(s0, p2, Mask{mask, msb, msh, mst, mss}, mq1, mk1, mq2, mk2, n, nthreads);     \
+    });                                                                                           \
+    return 0;                                                                                     \
   }                                                                                               \
-  extern "C" void dcvit_rows_backward_##SUFFIX(                                                   \
+  extern "C" int dcvit_rows_backward_##SUFFIX(                                                    \
       const T* s0, const T* dp2, T* p2, T* ds0, const T* mask, int64_t msb, int64_t msh,         \
       int64_t mst, int64_t mss, const T* mq1, const T* mk1, const T* mq2, const T* mk2,           \
       T* dmq1, T* dmk1_acc, T* dmq2, T* dmk2_acc, int64_t B, int64_t H, int64_t T_, int64_t S,    \
       int nthreads) {                                                                             \
-    rows_backward<T>(s0, dp2, p2, ds0, Mask{mask, msb, msh, mst, mss}, mq1, mk1, mq2, mk2,       \
-                     dmq1, dmk1_acc, dmq2, dmk2_acc, B, H, T_, S, nthreads);                      \
+    if (H > kMaxHeads) return 1;                                                                  \
+    const Dims n = dims<T>(B, H, T_, S);                                                          \
+    with_heads<T>(H, [&](auto rows) {                                                             \
+      rows.backward(s0, dp2, p2, ds0, Mask{mask, msb, msh, mst, mss}, mq1, mk1, mq2, mk2,        \
+                    dmq1, dmk1_acc, dmq2, dmk2_acc, n, nthreads);                                 \
+    });                                                                                           \
+    return 0;                                                                                     \
   }
 
 DCVIT_EXPORT(float, f32)
@@ -282,10 +421,21 @@ def _cpu_flags() -> List[str]:
     return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
 
 
-def _build(cache_dir: str) -> str:
+def _shares_torch_openmp() -> bool:
+    """Whether torch runs on GNU OpenMP (libgomp.so.1 is loaded): a kernel built with -fopenmp
+    then resolves libgomp.so.1 to that same copy and shares torch's thread pool."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return False
+
+
+def _build(cache_dir: str, openmp: bool) -> str:
     """Compile SOURCE into cache_dir (atomically) unless already there; return the .so path."""
     cxx = os.environ.get("CXX", "g++")
-    flags = ["-O3", "-fno-trapping-math", "-fopenmp-simd", "-pthread", "-shared", "-fPIC", "-std=c++17"] + _cpu_flags()
+    flags = ["-O3", "-fno-trapping-math", "-fopenmp" if openmp else "-fopenmp-simd", "-pthread",
+             "-shared", "-fPIC", "-std=c++17"] + _cpu_flags()
     tag = hashlib.sha1((SOURCE + cxx + " ".join(flags)).encode()).hexdigest()[:12]
     path = os.path.join(cache_dir, f"dcvit_compose_cpu_{tag}.so")
     if os.path.exists(path):
@@ -310,15 +460,19 @@ def load() -> Optional[ctypes.CDLL]:
     if os.environ.get("DCVIT_NO_CPP_KERNEL", "") in ("", "0"):
         cache_dir = os.environ.get("DCVIT_KERNEL_CACHE",
                                    os.path.join(os.path.expanduser("~"), ".cache", "dcvit"))
-        try:
-            lib = ctypes.CDLL(_build(cache_dir))
-            for name in ("dcvit_rows_forward_f32", "dcvit_rows_forward_f64",
-                         "dcvit_rows_backward_f32", "dcvit_rows_backward_f64"):
-                getattr(lib, name).restype = None
-        except Exception as e:  # no compiler, read-only cache, missing OpenMP, ...
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        reason = ""
+        for openmp in ([True, False] if _shares_torch_openmp() else [False]):
+            try:
+                lib = ctypes.CDLL(_build(cache_dir, openmp))
+                for name in ("dcvit_rows_forward_f32", "dcvit_rows_forward_f64",
+                             "dcvit_rows_backward_f32", "dcvit_rows_backward_f64"):
+                    getattr(lib, name).restype = ctypes.c_int
+                break
+            except Exception as e:  # no compiler, read-only cache, no OpenMP, ...
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                lib = None
+        if lib is None:
             warnings.warn(f"dcvit: the C++ attention kernel could not be built ({reason}); "
                           "using the pure-PyTorch fast path instead", RuntimeWarning, stacklevel=2)
-            lib = None
     _state["lib"] = lib
     return lib
