@@ -23,7 +23,8 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .compose import compose_unchecked
-from .fused import composed_attention, composed_attention_compile, select_impl, slot_matrices, stage_matrices
+from .fused import (composed_attention, composed_attention_compile, rms_normalize, select_impl,
+                    slot_matrices, slot_matrices_from_projections, stage_matrices)
 
 __all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
 
@@ -64,7 +65,9 @@ class DynamicWeights(nn.Module):
         dd     = tanh(x @ dd_w).view(B, N, G, H)             # (B, N, G, H)
 
     Returns ``(w1, w2, dd)``; ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is
-    None without ``dynamic_gate``.
+    None without ``dynamic_gate``. With ``raw=True`` it returns ``(w, None, dd)``, ``w`` the
+    projections (B, N, G, 2R, H) before the split and the norm (the fast attention cores
+    build the Compose matrices from them in one kernel).
     """
 
     def __init__(self, dim: int, num_heads: int, num_slots: int, rank: int = 2,
@@ -96,7 +99,7 @@ class DynamicWeights(nn.Module):
         if self.dd_w is not None:
             nn.init.normal_(self.dd_w, std=math.sqrt(2.0 / (c + h)) * 0.005)
 
-    def forward(self, x: Tensor) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    def forward(self, x: Tensor, raw: bool = False) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         B, N, C = x.shape
         w1: Optional[Tensor] = None
         w2: Optional[Tensor] = None
@@ -104,8 +107,11 @@ class DynamicWeights(nn.Module):
         if self.dw1 is not None and self.qkw is not None:
             hidden = F.gelu(torch.einsum("bnc,cgk->bngk", x, self.dw1))          # (B, N, G, K)
             w = torch.einsum("bngk,gkih->bngih", hidden, self.qkw)              # (B, N, G, 2R, H)
-            w1, w2 = w.split(self.rank, dim=-2)                                  # (B, N, G, R, H)
-            w1 = w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+            if raw:
+                w1 = w
+            else:
+                w1, w2 = w.split(self.rank, dim=-2)                              # (B, N, G, R, H)
+                w1 = rms_normalize(w1)
         if self.dd_w is not None:
             dd = torch.tanh(x @ self.dd_w).view(B, N, self.num_slots, self.num_heads)  # (B, N, G, H)
         return w1, w2, dd
@@ -260,16 +266,15 @@ class DCMHA(nn.Module):
         q, k, v = qkv.unbind(0)                                                  # (B, H, N, D)
         q, k = self.q_norm(q), self.k_norm(k)
 
-        w1: Optional[Tensor] = None
-        w2: Optional[Tensor] = None
-        dd: Optional[Tensor] = None
-        if self.dynamic_weights is not None:
-            w1, w2, dd = self.dynamic_weights(x)
-
         if torch.jit.is_scripting():
+            w1: Optional[Tensor] = None
+            w2: Optional[Tensor] = None
+            dd: Optional[Tensor] = None
+            if self.dynamic_weights is not None:
+                w1, w2, dd = self.dynamic_weights(x)
             x = self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)   # (B, H, N, D)
         else:
-            x = self._core(q, k, v, w1, w2, dd, attn_mask, is_causal)             # (B, H, N, D)
+            x = self._core(q, k, v, x, attn_mask, is_causal)                      # (B, H, N, D)
 
         x = x.transpose(1, 2).reshape(B, N, C)
         x = self.norm(x)
@@ -295,18 +300,23 @@ class DCMHA(nn.Module):
         return attn @ v                                                          # (B, H, N, D)
 
     @torch.jit.unused
-    def _core(self, q: Tensor, k: Tensor, v: Tensor, w1: Optional[Tensor], w2: Optional[Tensor],
-              dd: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, attn_mask: Optional[Tensor],
+              is_causal: bool) -> Tensor:
         """The attention core chosen by `dcvit.fused.select_impl` (``self.attn_impl`` forces one)."""
         impl = select_impl(self.attn_impl, q, self.training)
         if impl == "reference" or (attn_mask is not None and attn_mask.requires_grad):
+            w1, w2, dd = self.dynamic_weights(x) if self.dynamic_weights is not None else (None, None, None)
             return self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
+        w, _, dd = self.dynamic_weights(x, raw=True) if self.dynamic_weights is not None else (None, None, None)
         N = q.shape[2]
         mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)               # additive or None
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.autocast(q.device.type, enabled=False):
             identity = [g for g in (self.pre_q_slot, self.post_q_slot) if g >= 0]
-            slots = slot_matrices(w1, w2, dd, identity, dtype)                   # (B, N, G, H, H)
+            if w is not None:
+                slots = slot_matrices_from_projections(w, dd, identity, dtype)   # (B, N, G, H, H)
+            else:
+                slots = slot_matrices(None, None, dd, identity, dtype)
             pre = self._matrices(self.pre_compose, slots, self.pre_q_slot, self.pre_k_slot, dtype, q.device)
             post = self._matrices(self.post_compose, slots, self.post_q_slot, self.post_k_slot, dtype, q.device)
         dropout = self.training and self.attn_drop.p > 0

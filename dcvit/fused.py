@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "compose_matrices", "slot_matrices",
+           "slot_matrices_from_projections", "rms_normalize",
            "stage_matrices", "mix",
            "composed_attention", "composed_attention_compile"]
 
@@ -156,6 +157,66 @@ def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tenso
     if dd is not None and diag is not None:
         return torch.diag_embed(diag)                                        # (B, N, G, H, H)
     return None
+
+
+RMS_EPS = 1e-6   # of the RMS norm of w1 over heads (DynamicWeights)
+
+
+def rms_normalize(w1: Tensor, eps: float = RMS_EPS) -> Tensor:
+    """``w1 * rsqrt(mean_h w1^2 + eps)``: the RMS norm of the low-rank query/key weights."""
+    return w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+class _SlotMatrices(torch.autograd.Function):
+    """`slot_matrices_from_projections` in the C++ kernel: (w, dd) -> (B, N, G, H, H)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, dd: Optional[Tensor], ident: Tensor) -> Tensor:
+        import ctypes
+        lib = _cpp_kernel()
+        B, N, G, R2, H = w.shape
+        m = w.new_empty(B, N, G, H, H)
+        fn = lib.dcvit_slots_forward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_forward_f32
+        fn(_ptr(w), _ptr(dd), _ptr(ident), _ptr(m), ctypes.c_int64(B * N), ctypes.c_int64(G),
+           ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
+           ctypes.c_int(torch.get_num_threads()))
+        ctx.has_dd = dd is not None
+        ctx.save_for_backward(w)
+        return m
+
+    @staticmethod
+    def backward(ctx, dm: Tensor):
+        import ctypes
+        lib = _cpp_kernel()
+        (w,) = ctx.saved_tensors
+        B, N, G, R2, H = w.shape
+        dm = dm.contiguous()
+        dw = torch.empty_like(w)
+        ddd = w.new_empty(B, N, G, H) if ctx.has_dd else None
+        fn = lib.dcvit_slots_backward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_backward_f32
+        fn(_ptr(w), _ptr(dm), _ptr(dw), _ptr(ddd), ctypes.c_int64(B * N), ctypes.c_int64(G),
+           ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
+           ctypes.c_int(torch.get_num_threads()))
+        return dw, ddd, None
+
+
+def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slots: List[int],
+                                   dtype: torch.dtype) -> Tensor:
+    """Every slot's dynamic matrix from the raw projections, in ``dtype``; differentiable.
+
+    w (B, N, G, 2R, H): ``w1, w2 = w.split(R, -2)`` before the RMS norm of w1; dd (B, N, G, H)
+    or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; on CPU
+    in eager mode the C++ kernel does it in one pass (one op instead of a dozen on tiny
+    tensors); inside ``torch.compile`` it is left to inductor.
+    """
+    if (w.device.type == "cpu" and dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling() and _cpp_kernel() is not None):
+        G = w.shape[2]
+        ident = torch.tensor([1 if g in identity_slots else 0 for g in range(G)], dtype=torch.int64)
+        return _SlotMatrices.apply(w.to(dtype).contiguous(),
+                                   None if dd is None else dd.to(dtype).contiguous(), ident)
+    w1, w2 = w.split(w.shape[-2] // 2, dim=-2)
+    return slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)
 
 
 def stage_matrices(slots: Optional[Tensor], q_slot: int, k_slot: int, static: Optional[Tensor],

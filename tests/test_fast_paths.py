@@ -176,6 +176,32 @@ def test_function_gradcheck_against_finite_differences():
                                             fast_mode=True), backend
 
 
+@pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
+@pytest.mark.parametrize("rank,with_gate", [(1, True), (2, True), (3, False)])
+def test_cpp_slot_matrices_equal_formula(rank, with_gate):
+    """The one-pass matrix builder == RMS norm + outer products + gates + identity (float64),
+    and its backward passes gradcheck."""
+    g = torch.Generator().manual_seed(rank)
+    B, N, G, H = 2, 5, 4, 3
+    w = torch.randn(B, N, G, 2 * rank, H, generator=g, dtype=torch.float64, requires_grad=True)
+    dd = torch.randn(B, N, G, H, generator=g, dtype=torch.float64, requires_grad=True) if with_gate else None
+    identity = [0, 2]
+    w1, w2 = w.split(rank, dim=-2)
+    w1n = w1 / torch.sqrt((w1 ** 2).mean(-1, keepdim=True) + fused.RMS_EPS)
+    want = torch.einsum("bngrh,bngrk->bnghk", w1n, w2)
+    eye = torch.eye(H, dtype=torch.float64)
+    want = want + torch.stack([eye * (g_ in identity) for g_ in range(G)]).view(1, 1, G, H, H)
+    if dd is not None:
+        want = want + torch.diag_embed(dd)
+    got = fused.slot_matrices_from_projections(w, dd, identity, torch.float64)
+    assert got.grad_fn is not None and "SlotMatrices" in type(got.grad_fn).__name__
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    inputs = (w, dd) if dd is not None else (w,)
+    assert torch.autograd.gradcheck(
+        lambda *a: fused.slot_matrices_from_projections(a[0], a[1] if len(a) > 1 else None, identity,
+                                                        torch.float64), inputs)
+
+
 @pytest.mark.parametrize("budget", [2 * 3 * 9 * 9, 3 * 4 * 9])   # two batch elements / four queries a tile
 def test_tiled_attention_equals_one_tile(monkeypatch, budget):
     """Batch-chunked and query-split tiles give the untiled outputs and every gradient."""
