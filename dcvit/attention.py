@@ -64,7 +64,7 @@ class DynamicWeights(nn.Module):
         w1     = w1 * rsqrt(mean_h(w1^2) + 1e-6)             # RMS-norm over heads
         dd     = tanh(x @ dd_w).view(B, N, G, H)             # (B, N, G, H)
 
-    Returns ``(w1, w2, dd)``; ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is
+    (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist.) Returns ``(w1, w2, dd)``; ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is
     None without ``dynamic_gate``. With ``raw=True`` it returns ``(w, None, dd)``, ``w`` the
     projections (B, N, G, 2R, H) before the split and the norm (the fast attention cores
     build the Compose matrices from them in one kernel).
@@ -104,8 +104,15 @@ class DynamicWeights(nn.Module):
         w1: Optional[Tensor] = None
         w2: Optional[Tensor] = None
         dd: Optional[Tensor] = None
+        G, K, H = self.num_slots, self.hidden_dim, self.num_heads
+        gate_in: Optional[Tensor] = None
         if self.dw1 is not None and self.qkw is not None:
-            hidden = F.gelu(torch.einsum("bnc,cgk->bngk", x, self.dw1))          # (B, N, G, K)
+            if self.dd_w is not None:                        # both input projections in one GEMM
+                y = x @ torch.cat([self.dw1.reshape(C, G * K), self.dd_w], dim=1)   # (B, N, GK + GH)
+                hidden = F.gelu(y[..., :G * K]).reshape(B, N, G, K)
+                gate_in = y[..., G * K:]
+            else:
+                hidden = F.gelu(torch.einsum("bnc,cgk->bngk", x, self.dw1))      # (B, N, G, K)
             w = torch.einsum("bngk,gkih->bngih", hidden, self.qkw)              # (B, N, G, 2R, H)
             if raw:
                 w1 = w
@@ -113,7 +120,9 @@ class DynamicWeights(nn.Module):
                 w1, w2 = w.split(self.rank, dim=-2)                              # (B, N, G, R, H)
                 w1 = rms_normalize(w1)
         if self.dd_w is not None:
-            dd = torch.tanh(x @ self.dd_w).view(B, N, self.num_slots, self.num_heads)  # (B, N, G, H)
+            if gate_in is None:
+                gate_in = x @ self.dd_w
+            dd = torch.tanh(gate_in).reshape(B, N, G, H)                          # (B, N, G, H)
         return w1, w2, dd
 
     def extra_repr(self) -> str:

@@ -345,7 +345,7 @@ def _ptr(t: Optional[Tensor]):
 
 
 def kernel_operands(s0: Tensor, stage: Stage, dtype: torch.dtype) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """A stage's matrices in the row kernels' layouts: Mq (B, T, H, H), Mk (B, H, H, S)."""
+    """A stage's matrices in the Triton row kernel's layouts: Mq (B, T, H, H), Mk (B, H, H, S)."""
     B, H, T, S = s0.shape
     mq, mk = stage
     if mq is None:
@@ -362,12 +362,23 @@ def _mask_args(s0: Tensor, mask: Optional[Tensor]):
     return [_ptr(mask)] + [ctypes.c_int64(st) for st in mask.stride()]
 
 
+def _cpp_operands(s0: Tensor, stage: Stage) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """A stage's matrices for the C++ kernel: Mq (B, T, H, H), Mk (B, S, H, H), contiguous
+    (no copy when `_ComposedAttention` prepared them for the whole batch)."""
+    B, H, T, S = s0.shape
+    mq, mk = stage
+    if mq is None:
+        return None, None
+    mq = mq.to(s0.dtype).expand(B, T, H, H).contiguous()
+    return mq, None if mk is None else mk.to(s0.dtype).contiguous()
+
+
 def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
     import ctypes
     lib = _cpp_kernel()
     B, H, T, S = s0.shape
-    mq1, mk1 = kernel_operands(s0, pre, s0.dtype)
-    mq2, mk2 = kernel_operands(s0, post, s0.dtype)
+    mq1, mk1 = _cpp_operands(s0, pre)
+    mq2, mk2 = _cpp_operands(s0, post)
     out = torch.empty_like(s0)
     fn = lib.dcvit_rows_forward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_forward_f32
     if fn(_ptr(s0), _ptr(out), *_mask_args(s0, mask), _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2),
@@ -383,13 +394,13 @@ def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Sta
     lib = _cpp_kernel()
     B, H, T, S = s0.shape
     n = torch.get_num_threads()
-    mq1, mk1 = kernel_operands(s0, pre, s0.dtype)
-    mq2, mk2 = kernel_operands(s0, post, s0.dtype)
+    mq1, mk1 = _cpp_operands(s0, pre)
+    mq2, mk2 = _cpp_operands(s0, post)
     p2, ds0 = torch.empty_like(s0), torch.empty_like(s0)
     dmq1 = torch.empty_like(mq1) if mq1 is not None else None
     dmq2 = torch.empty_like(mq2) if mq2 is not None else None
-    dmk1 = s0.new_zeros(n, B, H, H, S) if mk1 is not None else None
-    dmk2 = s0.new_zeros(n, B, H, H, S) if mk2 is not None else None
+    dmk1 = s0.new_zeros(n, B, S, H, H) if mk1 is not None else None
+    dmk2 = s0.new_zeros(n, B, S, H, H) if mk2 is not None else None
     fn = lib.dcvit_rows_backward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_backward_f32
     if fn(_ptr(s0), _ptr(dp2), _ptr(p2), _ptr(ds0), *_mask_args(s0, mask),
           _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2), _ptr(dmq1), _ptr(dmk1), _ptr(dmq2), _ptr(dmk2),
@@ -397,7 +408,7 @@ def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Sta
         return _rows_backward_torch(s0, mask, pre, post, dp2)               # more heads than it takes
 
     def key_grad(d: Optional[Tensor]) -> Optional[Tensor]:
-        return None if d is None else d.sum(0).permute(0, 3, 1, 2)          # (B, S, H, H)
+        return None if d is None else d.sum(0)                              # (B, S, H, H)
     return p2, ds0, (dmq1, key_grad(dmk1)), (dmq2, key_grad(dmk2))
 
 
@@ -462,6 +473,7 @@ class _ComposedAttention(torch.autograd.Function):
         S = k.shape[2]
         mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
         tiles = _tiles(B, H, T, S, q.device)
+        mq1, mk1, mq2, mk2 = _per_call(backend, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
         out = None
         for bs, ts in tiles:
             s0 = _scores(q[bs, :, ts], k[bs], scale)                         # (b, H, t, S)
@@ -485,7 +497,7 @@ class _ComposedAttention(torch.autograd.Function):
         grad = grad.contiguous()
         dq, dk = torch.empty_like(q), torch.zeros_like(k)
         dv = None if v is None else torch.zeros_like(v)
-        mats = [_cast(m, cdt) for m in (mq1, mk1, mq2, mk2)]
+        mats = _per_call(ctx.backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
         dmats: List[Optional[Tensor]] = [None] * 4              # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
         for bs, ts in _tiles(B, H, T, S, q.device):
             qt, g = q[bs, :, ts], grad[bs, :, ts]
@@ -511,6 +523,18 @@ class _ComposedAttention(torch.autograd.Function):
             dk[bs] += _bmm(ds0.transpose(-2, -1), qt, scale)                 # (b, H, S, D)
         return (dq, dk, dv, None, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2))),
                 None, None)
+
+
+def _per_call(backend: str, btH: Tuple[int, int, int], dtype: torch.dtype,
+              mats: Tuple[Optional[Tensor], ...]) -> List[Optional[Tensor]]:
+    """The four matrices in the compute dtype; for the C++ kernel also expanded and
+    contiguous once, so that every tile is a contiguous slice."""
+    out = [_cast(m, dtype) for m in mats]
+    if backend == "cpp":
+        B, T, H = btH
+        out = [None if m is None else (m.expand(B, T, H, H) if i % 2 == 0 else m).contiguous()
+               for i, m in enumerate(out)]
+    return out
 
 
 def _rows_forward(backend: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:

@@ -13,7 +13,8 @@ stage applies, per key s, the H×H map::
     out[h, s] = sum_g in[g, s] * (mq[b, t, g, h] + mk[b, g, h, s])
 
 where ``mq`` holds the identity, the static matrix and the query-wise terms, and ``mk``
-(stored (B, H, H, S) so the s-loop is contiguous) the key-wise terms; a null pointer
+((B, S, H, H), repacked per batch element so that a block of keys is contiguous) the
+key-wise terms; a null pointer
 marks an absent stage or side.
 """
 import ctypes
@@ -203,7 +204,7 @@ void copy_row(const Row<T> src, const Row<T> dst, int64_t H) {
   }
 }
 
-// (H, H, S) key-wise matrices of one batch element -> (nb, H, H, L), zero-padded; and back.
+// (S, H, H) key-wise matrices of one batch element -> (nb, H, H, L), zero-padded; and back.
 template <typename T>
 void pack_keys(const T* src, T* dst, int64_t H, int64_t S, int64_t nb) {
   constexpr int64_t L = lanes<T>();
@@ -211,7 +212,7 @@ void pack_keys(const T* src, T* dst, int64_t H, int64_t S, int64_t nb) {
     for (int64_t idx = 0; idx < H * H; ++idx)
       for (int64_t l = 0; l < L; ++l) {
         const int64_t s = blk * L + l;
-        dst[(blk * H * H + idx) * L + l] = s < S ? src[idx * S + s] : T(0);
+        dst[(blk * H * H + idx) * L + l] = s < S ? src[s * H * H + idx] : T(0);
       }
 }
 template <typename T>
@@ -220,7 +221,7 @@ void unpack_keys(const T* src, T* dst, int64_t H, int64_t S, int64_t nb) {
   for (int64_t blk = 0; blk < nb; ++blk)
     for (int64_t idx = 0; idx < H * H; ++idx)
       for (int64_t l = 0; l < L && blk * L + l < S; ++l)
-        dst[idx * S + blk * L + l] = src[(blk * H * H + idx) * L + l];
+        dst[(blk * L + l) * H * H + idx] = src[(blk * H * H + idx) * L + l];
 }
 
 // Run fn(begin, end, tid) over [0, rows) split in nthreads contiguous ranges. With OpenMP the
@@ -310,7 +311,7 @@ struct Rows {
   }
 
   // Recompute the row, back-propagate dp2 through compose2, softmax and compose1.
-  // dmk*_acc: (nthreads, B, H, H, S), zero-filled by the caller; each thread writes the
+  // dmk*_acc: (nthreads, B, S, H, H), zero-filled by the caller; each thread writes the
   // key-wise gradients of the batch elements it covers into its own slice.
   static void backward(const T* s0, const T* dp2, T* p2, T* ds0, Mask mask, const T* mq1,
                        const T* mk1, const T* mq2, const T* mk2, T* dmq1, T* dmk1_acc, T* dmq2,
