@@ -202,6 +202,22 @@ def test_cpp_slot_matrices_equal_formula(rank, with_gate):
                                                         torch.float64), inputs)
 
 
+@pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
+def test_cpp_core_beyond_its_head_limit_uses_torch_rows():
+    """More heads than the kernel's accumulators (64): the same results through the torch rows."""
+    g = torch.Generator().manual_seed(5)
+    B, H, N, D = 1, 65, 3, 2
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
+    inputs = [r(B, H, N, D), r(B, H, N, D), r(B, H, N, D), r(B, N, H, H), r(B, N, H, H)]
+    outs = []
+    for backend in ("cpp", "torch"):
+        q, k, v, mq, mk = inputs
+        out = fused.composed_attention(q, k, v, None, (mq, mk), (mq, mk), backend, scale=0.5)
+        outs.append((out, torch.autograd.grad(out.sum(), inputs)))
+    for a, b in zip([outs[0][0], *outs[0][1]], [outs[1][0], *outs[1][1]]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 @pytest.mark.parametrize("budget", [2 * 3 * 9 * 9, 3 * 4 * 9])   # two batch elements / four queries a tile
 def test_tiled_attention_equals_one_tile(monkeypatch, budget):
     """Batch-chunked and query-split tiles give the untiled outputs and every gradient."""
