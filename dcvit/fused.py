@@ -7,10 +7,13 @@ Each Compose stage of SPEC §1.1 is, for query t and key s, one linear map of th
     Mk[b,s] =         kw1[b,s]^T kw2[b,s] + diag(kdd[b,s])      # (H, H)
 
 so the low-rank terms, gates, identity and static matrix of a side merge into one small
-per-token matrix (`compose_matrices`). The attention core
-``softmax(compose1(q k^T) + mask) -> compose2 -> @ v`` is then one autograd Function
+per-token matrix (`compose_matrices`; in a layer `slot_matrices_from_projections` builds all
+of them from the raw dynamic projections, in one C++ pass on CPU). The attention core
+``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v`` is then one autograd Function
 (`composed_attention`) that saves only q, k, v and the matrices and recomputes the
-(B, H, T, S) maps in backward, flash-style, row by row of all heads together:
+(B, H, T, S) maps in backward; on CPU it runs over tiles of (batch, queries) of about
+2 MiB (`TILE_ELEMENTS`), q k^T -> rows -> p v per tile, and the rows (all heads of one
+query together) are computed by:
 
 * ``"cpp"``:    rows in a C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64 (bf16 in fp32);
 * ``"triton"``: forward rows in a Triton kernel (`dcvit.kernels.compose_triton`), CUDA;
