@@ -71,9 +71,10 @@ def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
 
     FX or ``torch.jit.trace`` tracing (fvcore traces) -> ``reference`` whatever is forced,
     so that the trace records every op rather than one opaque fused call. Otherwise the
-    forced core (context, then layer) or, for ``auto``: inside ``torch.compile`` ->
-    ``compile``; CUDA -> ``triton`` when Triton imports; CPU float32/float64/bfloat16 ->
-    ``cpp`` when the kernel builds; otherwise ``torch``.
+    forced core (context, then layer) or, for ``auto``: inside ``torch.compile`` -> ``cpp``
+    on CPU when the kernel builds (a custom op the graph keeps), else ``compile``; CUDA ->
+    ``triton`` when Triton imports; CPU float32/float64/bfloat16 -> ``cpp`` when the kernel
+    builds; otherwise ``torch``.
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
@@ -82,12 +83,18 @@ def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
     if name != "auto":
         return name
     if torch.compiler.is_compiling():
-        return "compile"
+        return "cpp" if x.device.type == "cpu" and _cpp_available() else "compile"
     if x.device.type == "cuda" and _triton_kernel() is not None:
         return "triton"
-    if x.device.type == "cpu" and _cpp_kernel() is not None:
+    if x.device.type == "cpu" and _cpp_available():
         return "cpp"
     return "torch"
+
+
+@torch._dynamo.assume_constant_result
+def _cpp_available() -> bool:
+    """Whether the C++ kernel loads (under torch.compile: evaluated once, while tracing)."""
+    return _cpp_kernel() is not None
 
 
 def _cpp_kernel():
@@ -170,37 +177,62 @@ def rms_normalize(w1: Tensor, eps: float = RMS_EPS) -> Tensor:
     return w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
-class _SlotMatrices(torch.autograd.Function):
-    """`slot_matrices_from_projections` in the C++ kernel: (w, dd) -> (B, N, G, H, H)."""
+# The one-pass matrix builder of the C++ kernel as custom ops (forward and backward), so that
+# torch.compile keeps it as one node too.
 
-    @staticmethod
-    def forward(ctx, w: Tensor, dd: Optional[Tensor], ident: Tensor) -> Tensor:
-        import ctypes
-        lib = _cpp_kernel()
-        B, N, G, R2, H = w.shape
-        m = w.new_empty(B, N, G, H, H)
-        fn = lib.dcvit_slots_forward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_forward_f32
-        fn(_ptr(w), _ptr(dd), _ptr(ident), _ptr(m), ctypes.c_int64(B * N), ctypes.c_int64(G),
-           ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
-           ctypes.c_int(torch.get_num_threads()))
-        ctx.has_dd = dd is not None
-        ctx.save_for_backward(w)
-        return m
+@torch.library.custom_op("dcvit::slot_matrices", mutates_args=())
+def _slots_op(w: Tensor, dd: Optional[Tensor], ident: Tensor) -> Tensor:
+    import ctypes
+    lib = _cpp_kernel()
+    B, N, G, R2, H = w.shape
+    m = w.new_empty(B, N, G, H, H)
+    fn = lib.dcvit_slots_forward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_forward_f32
+    fn(_ptr(w), _ptr(dd), _ptr(ident), _ptr(m), ctypes.c_int64(B * N), ctypes.c_int64(G),
+       ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
+       ctypes.c_int(torch.get_num_threads()))
+    return m
 
-    @staticmethod
-    def backward(ctx, dm: Tensor):
-        import ctypes
-        lib = _cpp_kernel()
-        (w,) = ctx.saved_tensors
-        B, N, G, R2, H = w.shape
-        dm = dm.contiguous()
-        dw = torch.empty_like(w)
-        ddd = w.new_empty(B, N, G, H) if ctx.has_dd else None
-        fn = lib.dcvit_slots_backward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_backward_f32
-        fn(_ptr(w), _ptr(dm), _ptr(dw), _ptr(ddd), ctypes.c_int64(B * N), ctypes.c_int64(G),
-           ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
-           ctypes.c_int(torch.get_num_threads()))
-        return dw, ddd, None
+
+@_slots_op.register_fake
+def _(w, dd, ident):
+    B, N, G, _, H = w.shape
+    return w.new_empty(B, N, G, H, H)
+
+
+@torch.library.custom_op("dcvit::slot_matrices_backward", mutates_args=())
+def _slots_backward_op(w: Tensor, dm: Tensor, with_gate: bool) -> List[Tensor]:
+    import ctypes
+    lib = _cpp_kernel()
+    B, N, G, R2, H = w.shape
+    dm = dm.contiguous()
+    dw = torch.empty_like(w)
+    ddd = w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)
+    fn = lib.dcvit_slots_backward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_backward_f32
+    fn(_ptr(w), _ptr(dm), _ptr(dw), _ptr(ddd if with_gate else None), ctypes.c_int64(B * N),
+       ctypes.c_int64(G), ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
+       ctypes.c_int(torch.get_num_threads()))
+    return [dw, ddd]
+
+
+@_slots_backward_op.register_fake
+def _(w, dm, with_gate):
+    B, N, G, _, H = w.shape
+    return [torch.empty_like(w), w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)]
+
+
+def _slots_setup(ctx, inputs, output) -> None:
+    w, dd, _ = inputs
+    ctx.save_for_backward(w)
+    ctx.with_gate = dd is not None
+
+
+def _slots_grad(ctx, dm: Tensor):
+    (w,) = ctx.saved_tensors
+    dw, ddd = _slots_backward_op(w, dm, ctx.with_gate)
+    return dw, ddd if ctx.with_gate else None, None
+
+
+_slots_op.register_autograd(_slots_grad, setup_context=_slots_setup)
 
 
 def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slots: List[int],
@@ -209,15 +241,13 @@ def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slo
 
     w (B, N, G, 2R, H): ``w1, w2 = w.split(R, -2)`` before the RMS norm of w1; dd (B, N, G, H)
     or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; on CPU
-    in eager mode the C++ kernel does it in one pass (one op instead of a dozen on tiny
-    tensors); inside ``torch.compile`` it is left to inductor.
+    the C++ kernel does it in one pass (one op, ``dcvit::slot_matrices``, instead of a dozen
+    on tiny tensors).
     """
-    if (w.device.type == "cpu" and dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling() and _cpp_kernel() is not None):
+    if w.device.type == "cpu" and dtype in (torch.float32, torch.float64) and _cpp_available():
         G = w.shape[2]
         ident = torch.tensor([1 if g in identity_slots else 0 for g in range(G)], dtype=torch.int64)
-        return _SlotMatrices.apply(w.to(dtype).contiguous(),
-                                   None if dd is None else dd.to(dtype).contiguous(), ident)
+        return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(), ident)
     w1, w2 = w.split(w.shape[-2] // 2, dim=-2)
     return slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)
 
@@ -367,7 +397,7 @@ def _mask_args(s0: Tensor, mask: Optional[Tensor]):
 
 def _cpp_operands(s0: Tensor, stage: Stage) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """A stage's matrices for the C++ kernel: Mq (B, T, H, H), Mk (B, S, H, H), contiguous
-    (no copy when `_ComposedAttention` prepared them for the whole batch)."""
+    (no copy when `_per_call` prepared them for the whole batch)."""
     B, H, T, S = s0.shape
     mq, mk = stage
     if mq is None:
@@ -457,75 +487,115 @@ def _tile(m: Optional[Tensor], bs: slice, ts: Optional[slice] = None) -> Optiona
     return m if ts is None or m.shape[1] == 1 else m[:, ts]
 
 
-class _ComposedAttention(torch.autograd.Function):
-    """(q, k, v, mask, mq1, mk1, mq2, mk2) -> compose2(softmax(compose1(scale q k^T) + mask)) @ v.
+def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                       mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
+                       mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
+    """compose2(softmax(compose1(scale q k^T) + mask)) @ v, tile by tile (no autograd)."""
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
+    tiles = _tiles(B, H, T, S, q.device)
+    mq1, mk1, mq2, mk2 = _per_call(backend, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
+    out = None
+    for bs, ts in tiles:
+        s0 = _scores(q[bs, :, ts], k[bs], scale)                             # (b, H, t, S)
+        pre, post = (_tile(mq1, bs, ts), _tile(mk1, bs)), (_tile(mq2, bs, ts), _tile(mk2, bs))
+        p2 = _rows_forward(backend, s0, None if mask is None else mask[bs, :, ts], pre, post)
+        o = p2.to(q.dtype) if v is None else _bmm(p2.to(v.dtype), v[bs])      # (b, H, t, S|D)
+        if len(tiles) == 1:
+            return o
+        if out is None:
+            out = o.new_empty(B, H, T, o.shape[-1])
+        out[bs, :, ts] = o
+    assert out is not None
+    return out
 
-    With ``v`` None it returns the composed weights (B, H, T, S) instead (for dropout
-    outside). Saves only its inputs; backward recomputes the maps, tile by tile.
-    """
 
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
-                mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
-        q, k = q.contiguous(), k.contiguous()
-        v = None if v is None else v.contiguous()
-        ctx.backend, ctx.scale = backend, scale
-        ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2)
-        B, H, T, _ = q.shape
-        S = k.shape[2]
-        mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
-        tiles = _tiles(B, H, T, S, q.device)
-        mq1, mk1, mq2, mk2 = _per_call(backend, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
-        out = None
-        for bs, ts in tiles:
-            s0 = _scores(q[bs, :, ts], k[bs], scale)                         # (b, H, t, S)
-            pre, post = (_tile(mq1, bs, ts), _tile(mk1, bs)), (_tile(mq2, bs, ts), _tile(mk2, bs))
-            p2 = _rows_forward(backend, s0, None if mask is None else mask[bs, :, ts], pre, post)
-            o = p2.to(q.dtype) if v is None else _bmm(p2.to(v.dtype), v[bs])  # (b, H, t, S|D)
-            if len(tiles) == 1:
-                return o
-            if out is None:
-                out = o.new_empty(B, H, T, o.shape[-1])
-            out[bs, :, ts] = o
-        return out
+def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
+                        mask: Optional[Tensor], mq1: Optional[Tensor], mk1: Optional[Tensor],
+                        mq2: Optional[Tensor], mk2: Optional[Tensor], backend: str,
+                        scale: float) -> List[Optional[Tensor]]:
+    """Gradients of `_attention_forward` for q, k, v, mq1, mk1, mq2, mk2: the maps are
+    recomputed tile by tile, nothing was saved but the inputs."""
+    cdt = _compute_dtype(q)
+    B, H, T, _ = q.shape
+    S = k.shape[2]
+    mask = _mask_to(mask, (B, H, T, S), cdt)
+    grad = grad.contiguous()
+    dq, dk = torch.empty_like(q), torch.zeros_like(k)
+    dv = None if v is None else torch.zeros_like(v)
+    mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
+    dmats: List[Optional[Tensor]] = [None] * 4                  # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
+    for bs, ts in _tiles(B, H, T, S, q.device):
+        qt, g = q[bs, :, ts], grad[bs, :, ts]
+        s0 = _scores(qt, k[bs], scale)                                       # (b, H, t, S)
+        dp2 = g.to(cdt) if v is None else _bmm(g, v[bs].transpose(-2, -1)).to(cdt)
+        pre = (_tile(mats[0], bs, ts), _tile(mats[1], bs))
+        post = (_tile(mats[2], bs, ts), _tile(mats[3], bs))
+        p2, ds0, dpre, dpost = _rows_backward(backend, s0, None if mask is None else mask[bs, :, ts],
+                                              pre, post, dp2)
+        for i, d in enumerate((*dpre, *dpost)):
+            if d is None:
+                continue
+            if dmats[i] is None:
+                dmats[i] = d.new_zeros(B, T if i % 2 == 0 else S, H, H)
+            if i % 2 == 0:
+                dmats[i][bs, ts] = d                                          # per query row
+            else:
+                dmats[i][bs] += d                                             # summed over query tiles
+        if dv is not None:
+            dv[bs] += _bmm(p2.to(v.dtype).transpose(-2, -1), g).to(dv.dtype)  # (b, H, S, D)
+        ds0 = ds0.to(q.dtype)
+        dq[bs, :, ts] = _bmm(ds0, k[bs], scale)                              # (b, H, t, D)
+        dk[bs] += _bmm(ds0.transpose(-2, -1), qt, scale)                     # (b, H, S, D)
+    return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
 
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        q, k, v, mask, mq1, mk1, mq2, mk2 = ctx.saved_tensors
-        scale, cdt = ctx.scale, _compute_dtype(q)
-        B, H, T, _ = q.shape
-        S = k.shape[2]
-        mask = _mask_to(mask, (B, H, T, S), cdt)
-        grad = grad.contiguous()
-        dq, dk = torch.empty_like(q), torch.zeros_like(k)
-        dv = None if v is None else torch.zeros_like(v)
-        mats = _per_call(ctx.backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
-        dmats: List[Optional[Tensor]] = [None] * 4              # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
-        for bs, ts in _tiles(B, H, T, S, q.device):
-            qt, g = q[bs, :, ts], grad[bs, :, ts]
-            s0 = _scores(qt, k[bs], scale)                                   # (b, H, t, S)
-            dp2 = g.to(cdt) if v is None else _bmm(g, v[bs].transpose(-2, -1)).to(cdt)
-            pre = (_tile(mats[0], bs, ts), _tile(mats[1], bs))
-            post = (_tile(mats[2], bs, ts), _tile(mats[3], bs))
-            p2, ds0, dpre, dpost = _rows_backward(ctx.backend, s0, None if mask is None else mask[bs, :, ts],
-                                                  pre, post, dp2)
-            for i, d in enumerate((*dpre, *dpost)):
-                if d is None:
-                    continue
-                if dmats[i] is None:
-                    dmats[i] = d.new_zeros(B, T if i % 2 == 0 else S, H, H)
-                if i % 2 == 0:
-                    dmats[i][bs, ts] = d                                      # per query row
-                else:
-                    dmats[i][bs] += d                                         # summed over query tiles
-            if dv is not None:
-                dv[bs] += _bmm(p2.to(v.dtype).transpose(-2, -1), g).to(dv.dtype)   # (b, H, S, D)
-            ds0 = ds0.to(q.dtype)
-            dq[bs, :, ts] = _bmm(ds0, k[bs], scale)                          # (b, H, t, D)
-            dk[bs] += _bmm(ds0.transpose(-2, -1), qt, scale)                 # (b, H, S, D)
-        return (dq, dk, dv, None, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2))),
-                None, None)
+
+# The core as torch.library custom ops: one opaque op in eager mode and inside torch.compile
+# (the compiled graph keeps the C++/Triton kernels instead of re-deriving the maths), with its
+# own backward op. Absent optional gradients travel as empty tensors.
+
+@torch.library.custom_op("dcvit::composed_attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                  mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
+                  mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
+    return _attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale)
+
+
+@_attention_op.register_fake
+def _(q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale):
+    B, H, T, _ = q.shape
+    return q.new_empty(B, H, T, k.shape[2]) if v is None else v.new_empty(B, H, T, v.shape[-1])
+
+
+@torch.library.custom_op("dcvit::composed_attention_backward", mutates_args=())
+def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
+                           mask: Optional[Tensor], mq1: Optional[Tensor], mk1: Optional[Tensor],
+                           mq2: Optional[Tensor], mk2: Optional[Tensor], backend: str,
+                           scale: float) -> List[Tensor]:
+    grads = _attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale)
+    return [q.new_empty(0) if g is None else g for g in grads]
+
+
+@_attention_backward_op.register_fake
+def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale):
+    return [q.new_empty(0) if t is None else torch.empty_like(t) for t in (q, k, v, mq1, mk1, mq2, mk2)]
+
+
+def _attention_setup(ctx, inputs, output) -> None:
+    q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale = inputs
+    ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2)
+    ctx.backend, ctx.scale = backend, scale
+
+
+def _attention_grad(ctx, grad: Tensor):
+    q, k, v, mask, mq1, mk1, mq2, mk2 = ctx.saved_tensors
+    grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, ctx.backend, ctx.scale)
+    dq, dk, dv, d1, d2, d3, d4 = [None if t is None else g for g, t in zip(grads, (q, k, v, mq1, mk1, mq2, mk2))]
+    return dq, dk, dv, None, d1, d2, d3, d4, None, None
+
+
+_attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
 def _per_call(backend: str, btH: Tuple[int, int, int], dtype: torch.dtype,
@@ -602,7 +672,9 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     if backend == "cpp" and q.device.type != "cpu":
         raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
                          "use 'triton' or 'torch'")
-    return _ComposedAttention.apply(q, k, v, mask, pre[0], pre[1], post[0], post[1], backend, scale)
+    v = None if v is None else v.contiguous()
+    return _attention_op(q.contiguous(), k.contiguous(), v, mask, pre[0], pre[1], post[0], post[1],
+                         backend, float(scale))
 
 
 def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],

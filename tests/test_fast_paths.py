@@ -194,7 +194,7 @@ def test_cpp_slot_matrices_equal_formula(rank, with_gate):
     if dd is not None:
         want = want + torch.diag_embed(dd)
     got = fused.slot_matrices_from_projections(w, dd, identity, torch.float64)
-    assert got.grad_fn is not None and "SlotMatrices" in type(got.grad_fn).__name__
+    assert "dcvit_slot_matrices" in type(got.grad_fn).__name__                  # the C++ op ran
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     inputs = (w, dd) if dd is not None else (w,)
     assert torch.autograd.gradcheck(
@@ -325,14 +325,33 @@ def test_torchscript_and_fx_match_fast_eager():
         torch.testing.assert_close(list(fx_model(x).values())[0], eager, atol=1e-5, rtol=1e-5)
 
 
-def test_torch_compile_fullgraph_matches_reference():
+@pytest.mark.parametrize("impl", ["auto", "compile"])
+def test_torch_compile_fullgraph_matches_reference(impl):
+    """No graph break: ``auto`` keeps the C++ core as a custom op (CPU), ``compile`` is the
+    plain maths for inductor."""
     torch._dynamo.reset()
     layer = _layer(dtype=torch.float32)
     x = torch.randn(2, 7, 24)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     ref = _run(layer, x, "reference")
-    out = _run(compiled, x, "auto")
+    out = _run(compiled, x, impl)
     _assert_same(ref, out, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
+def test_torch_compile_keeps_the_cpp_kernels_as_ops():
+    torch._dynamo.reset()
+    layer = _layer(dtype=torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(layer, fullgraph=True, backend=backend)(torch.randn(2, 7, 24))
+    targets = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    for op in ("dcvit.composed_attention", "dcvit.slot_matrices"):
+        assert any(op in t for t in targets), (op, targets)
 
 
 @pytest.mark.slow
