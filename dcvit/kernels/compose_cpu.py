@@ -48,7 +48,7 @@ template <typename T> using Vec = typename VecOf<T>::type;
 template <typename T> constexpr int64_t lanes() { return 32 / sizeof(T); }
 template <typename T> inline Vec<T> vload(const T* p) { Vec<T> v; std::memcpy(&v, p, sizeof v); return v; }
 template <typename T> inline void vstore(T* p, Vec<T> v) { std::memcpy(p, &v, sizeof v); }
-template <typename T> inline Vec<T> vsplat(T x) { return Vec<T>{} + x; }
+template <typename T> inline Vec<T> vsplat(T x) { return x - Vec<T>{}; }   // x - 0 == x, folds to a broadcast
 template <typename T> inline T vsum(Vec<T> v) {
   T s = T(0);
   for (int64_t l = 0; l < lanes<T>(); ++l) s += v[l];
@@ -132,7 +132,7 @@ void mix_grad(const Row<T> a, const Row<T> d, T* __restrict__ dm, T* __restrict_
   }
 }
 
-// exp with a vectorisable body (Cephes polynomial, about 1 ulp): exp(-inf) = 0, NaN stays.
+// exp with a vectorisable body (Cephes polynomial, about 1 ulp): exp(-inf) = 0, NaN stays NaN.
 #pragma omp declare simd
 inline float vexp(float x) {
   const float xc = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
@@ -148,8 +148,7 @@ inline float vexp(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  const float res = x < -87.3f ? 0.0f : y * scale;
-  return x != x ? x : res;
+  return x < -87.3f ? 0.0f : y * scale;         // a NaN x stays NaN through y
 }
 inline double vexp(double x) { return std::exp(x); }
 
