@@ -35,6 +35,7 @@ SOURCE = r"""
 #include <limits>
 #include <vector>
 #include <thread>
+#include <type_traits>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -68,18 +69,22 @@ template <typename T>
 struct Row {
   T* ptr;
   int64_t hs, len;
+  int64_t full_blocks() const { return len / lanes<T>(); }
+  // TAIL: the block may run past len (the last, partial block of a tensor row).
+  template <bool TAIL = true>
   Vec<T> load(int64_t h, int64_t blk) const {
     const int64_t s = blk * lanes<T>();
     const T* p = ptr + h * hs + s;
-    if (s + lanes<T>() <= len) return vload(p);
-    Vec<T> v{};                                        // the last, partial block of a tensor row
+    if (!TAIL || s + lanes<T>() <= len) return vload(p);
+    Vec<T> v{};
     std::memcpy(&v, p, sizeof(T) * (len - s));
     return v;
   }
+  template <bool TAIL = true>
   void store(int64_t h, int64_t blk, Vec<T> v) const {
     const int64_t s = blk * lanes<T>();
     T* p = ptr + h * hs + s;
-    if (s + lanes<T>() <= len) vstore(p, v);
+    if (!TAIL || s + lanes<T>() <= len) vstore(p, v);
     else std::memcpy(p, &v, sizeof(T) * (len - s));
   }
 };
@@ -88,48 +93,70 @@ struct Row {
 // coefficients are contiguous.
 //
 // out[i, :] = sum_j in[j, :] * (m[j, i] + mk[blk, j, i, :])   (TR: m[i, j], mk[blk, i, j, :])
-template <typename T, int HC, bool TR>
-void mix(const Row<T> in, const Row<T> out, const T* __restrict__ m, const T* __restrict__ mk,
-         int64_t h, int64_t nb) {
+template <typename T, int HC, bool TR, bool KEYS>
+void mix_blocks(const Row<T> in, const Row<T> out, const T* __restrict__ m, const T* __restrict__ mk,
+                int64_t h, int64_t nb) {
   constexpr int64_t L = lanes<T>();
   const int64_t H = heads<HC>(h);
-  for (int64_t blk = 0; blk < nb; ++blk) {
+  auto block = [&](int64_t blk, auto tail) __attribute__((always_inline)) {
+    constexpr bool TAIL = decltype(tail)::value;
     Vec<T> acc[acc_size<HC>()];
     for (int64_t i = 0; i < H; ++i) acc[i] = Vec<T>{};
-    const T* __restrict__ kb = mk != nullptr ? mk + blk * H * H * L : nullptr;
+    const T* __restrict__ kb = KEYS ? mk + blk * H * H * L : nullptr;
     for (int64_t j = 0; j < H; ++j) {
-      const Vec<T> x = in.load(j, blk);
+      const Vec<T> x = in.template load<TAIL>(j, blk);
       for (int64_t i = 0; i < H; ++i) {
         const int64_t idx = TR ? i * H + j : j * H + i;
         Vec<T> c = vsplat(m[idx]);
-        if (kb != nullptr) c += vload(kb + idx * L);
+        if (KEYS) c += vload(kb + idx * L);
         acc[i] += x * c;
       }
     }
-    for (int64_t i = 0; i < H; ++i) out.store(i, blk, acc[i]);
-  }
+    for (int64_t i = 0; i < H; ++i) out.template store<TAIL>(i, blk, acc[i]);
+  };
+  const int64_t full = std::min({in.full_blocks(), out.full_blocks(), nb});
+  int64_t blk = 0;
+  for (; blk < full; ++blk) block(blk, std::false_type{});
+  for (; blk < nb; ++blk) block(blk, std::true_type{});
+}
+
+template <typename T, int HC, bool TR>
+void mix(const Row<T> in, const Row<T> out, const T* m, const T* mk, int64_t h, int64_t nb) {
+  if (mk != nullptr) mix_blocks<T, HC, TR, true>(in, out, m, mk, h, nb);
+  else mix_blocks<T, HC, TR, false>(in, out, m, mk, h, nb);
 }
 
 // dm[g, h] = sum_s a[g, s] d[h, s];  dmk[blk, g, h, :] += a[g, blk] * d[h, blk]  (dmk may be null).
-template <typename T, int HC>
-void mix_grad(const Row<T> a, const Row<T> d, T* __restrict__ dm, T* __restrict__ dmk, int64_t h,
-              int64_t nb) {
+template <typename T, int HC, bool KEYS>
+void mix_grad_blocks(const Row<T> a, const Row<T> d, T* __restrict__ dm, T* __restrict__ dmk,
+                     int64_t h, int64_t nb) {
   constexpr int64_t L = lanes<T>();
   const int64_t H = heads<HC>(h);
+  const int64_t full = std::min({a.full_blocks(), d.full_blocks(), nb});
   for (int64_t g = 0; g < H; ++g) {
     Vec<T> acc[acc_size<HC>()];
     for (int64_t i = 0; i < H; ++i) acc[i] = Vec<T>{};
-    for (int64_t blk = 0; blk < nb; ++blk) {
-      const Vec<T> x = a.load(g, blk);
-      T* __restrict__ kb = dmk != nullptr ? dmk + (blk * H + g) * H * L : nullptr;
+    auto block = [&](int64_t blk, auto tail) __attribute__((always_inline)) {
+      constexpr bool TAIL = decltype(tail)::value;
+      const Vec<T> x = a.template load<TAIL>(g, blk);
+      T* __restrict__ kb = KEYS ? dmk + (blk * H + g) * H * L : nullptr;
       for (int64_t i = 0; i < H; ++i) {
-        const Vec<T> p = x * d.load(i, blk);
+        const Vec<T> p = x * d.template load<TAIL>(i, blk);
         acc[i] += p;
-        if (kb != nullptr) vstore(kb + i * L, vload(kb + i * L) + p);
+        if (KEYS) vstore(kb + i * L, vload(kb + i * L) + p);
       }
-    }
+    };
+    int64_t blk = 0;
+    for (; blk < full; ++blk) block(blk, std::false_type{});
+    for (; blk < nb; ++blk) block(blk, std::true_type{});
     for (int64_t i = 0; i < H; ++i) dm[g * H + i] = vsum<T>(acc[i]);
   }
+}
+
+template <typename T, int HC>
+void mix_grad(const Row<T> a, const Row<T> d, T* dm, T* dmk, int64_t h, int64_t nb) {
+  if (dmk != nullptr) mix_grad_blocks<T, HC, true>(a, d, dm, dmk, h, nb);
+  else mix_grad_blocks<T, HC, false>(a, d, dm, dmk, h, nb);
 }
 
 // exp with a vectorisable body (Cephes polynomial, about 1 ulp): exp(-inf) = 0, NaN stays NaN.
@@ -360,20 +387,22 @@ struct Rows {
   }
 };
 
-// Dispatch on the head count: the usual ones are compiled with it fixed.
+// Dispatch on the head count: float32 rows are compiled with the usual counts fixed (ViT-Ti
+// to ViT-L); float64 (used to check the maths) and other counts read it at run time.
 template <typename T, typename F>
 void with_heads(int64_t H, F fn) {
-  switch (H) {
-    case 1: fn(Rows<T, 1>{}); break;
-    case 2: fn(Rows<T, 2>{}); break;
-    case 3: fn(Rows<T, 3>{}); break;
-    case 4: fn(Rows<T, 4>{}); break;
-    case 6: fn(Rows<T, 6>{}); break;
-    case 8: fn(Rows<T, 8>{}); break;
-    case 12: fn(Rows<T, 12>{}); break;
-    case 16: fn(Rows<T, 16>{}); break;
-    default: fn(Rows<T, 0>{}); break;
+  if constexpr (std::is_same<T, float>::value) {
+    switch (H) {
+      case 3: return fn(Rows<T, 3>{});
+      case 4: return fn(Rows<T, 4>{});
+      case 6: return fn(Rows<T, 6>{});
+      case 8: return fn(Rows<T, 8>{});
+      case 12: return fn(Rows<T, 12>{});
+      case 16: return fn(Rows<T, 16>{});
+      default: break;
+    }
   }
+  fn(Rows<T, 0>{});
 }
 
 // The dynamic Compose matrices of every (token, slot) from the raw low-rank projections:
