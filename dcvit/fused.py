@@ -496,18 +496,17 @@ def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
     tiles = _tiles(B, H, T, S, q.device)
     mq1, mk1, mq2, mk2 = _per_call(backend, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
-    out = None
+    out = q.new_empty(B, H, T, S) if v is None else v.new_empty(B, H, T, v.shape[-1])
     for bs, ts in tiles:
         s0 = _scores(q[bs, :, ts], k[bs], scale)                             # (b, H, t, S)
         pre, post = (_tile(mq1, bs, ts), _tile(mk1, bs)), (_tile(mq2, bs, ts), _tile(mk2, bs))
         p2 = _rows_forward(backend, s0, None if mask is None else mask[bs, :, ts], pre, post)
-        o = p2.to(q.dtype) if v is None else _bmm(p2.to(v.dtype), v[bs])      # (b, H, t, S|D)
-        if len(tiles) == 1:
-            return o
-        if out is None:
-            out = o.new_empty(B, H, T, o.shape[-1])
-        out[bs, :, ts] = o
-    assert out is not None
+        if v is None:
+            out[bs, :, ts] = p2
+        elif ts == slice(0, T):
+            _bmm(p2.to(v.dtype), v[bs], out=out[bs])                          # (b, H, T, D) in place
+        else:
+            out[bs, :, ts] = _bmm(p2.to(v.dtype), v[bs])
     return out
 
 
@@ -522,11 +521,14 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), cdt)
     grad = grad.contiguous()
-    dq, dk = torch.empty_like(q), torch.zeros_like(k)
-    dv = None if v is None else torch.zeros_like(v)
+    tiles = _tiles(B, H, T, S, q.device)
+    whole = all(ts == slice(0, T) for _, ts in tiles)          # each batch element in one tile
+    new = torch.empty_like if whole else torch.zeros_like
+    dq, dk = torch.empty_like(q), new(k)
+    dv = None if v is None else new(v)
     mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
     dmats: List[Optional[Tensor]] = [None] * 4                  # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
-    for bs, ts in _tiles(B, H, T, S, q.device):
+    for bs, ts in tiles:
         qt, g = q[bs, :, ts], grad[bs, :, ts]
         s0 = _scores(qt, k[bs], scale)                                       # (b, H, t, S)
         dp2 = g.to(cdt) if v is None else _bmm(g, v[bs].transpose(-2, -1)).to(cdt)
@@ -543,11 +545,17 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
                 dmats[i][bs, ts] = d                                          # per query row
             else:
                 dmats[i][bs] += d                                             # summed over query tiles
-        if dv is not None:
-            dv[bs] += _bmm(p2.to(v.dtype).transpose(-2, -1), g).to(dv.dtype)  # (b, H, S, D)
         ds0 = ds0.to(q.dtype)
-        dq[bs, :, ts] = _bmm(ds0, k[bs], scale)                              # (b, H, t, D)
-        dk[bs] += _bmm(ds0.transpose(-2, -1), qt, scale)                     # (b, H, S, D)
+        if whole:                                                             # in place
+            if dv is not None:
+                _bmm(p2.to(v.dtype).transpose(-2, -1), g, out=dv[bs])         # (b, H, S, D)
+            _bmm(ds0, k[bs], scale, out=dq[bs])                               # (b, H, T, D)
+            _bmm(ds0.transpose(-2, -1), qt, scale, out=dk[bs])                # (b, H, S, D)
+            continue
+        if dv is not None:
+            dv[bs] += _bmm(p2.to(v.dtype).transpose(-2, -1), g).to(dv.dtype)  # summed over query tiles
+        dq[bs, :, ts] = _bmm(ds0, k[bs], scale)
+        dk[bs] += _bmm(ds0.transpose(-2, -1), qt, scale)
     return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
 
 
@@ -630,12 +638,16 @@ def _cast(m: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if m is None else m.to(dtype)
 
 
-def _bmm(a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
-    """``alpha * a @ b`` over the leading dims as one batched GEMM (scale folded into it)."""
+def _bmm(a: Tensor, b: Tensor, alpha: float = 1.0, out: Optional[Tensor] = None) -> Tensor:
+    """``alpha * a @ b`` over the leading dims as one batched GEMM (scale folded into it),
+    into ``out`` (contiguous, of a @ b's shape and dtype) when given."""
     *lead, n, _ = a.shape
-    out = torch.baddbmm(a.new_zeros(()), a.reshape(-1, n, a.shape[-1]),
-                        b.reshape(-1, b.shape[-2], b.shape[-1]), beta=0, alpha=alpha)
-    return out.view(*lead, n, b.shape[-1])
+    a3, b3 = a.reshape(-1, n, a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1])
+    if out is not None:
+        with torch.autocast(a.device.type, enabled=False):                  # out= is not autocast
+            torch.baddbmm(a.new_zeros(()), a3, b3, beta=0, alpha=alpha, out=out.view(-1, n, b.shape[-1]))
+        return out
+    return torch.baddbmm(a.new_zeros(()), a3, b3, beta=0, alpha=alpha).view(*lead, n, b.shape[-1])
 
 
 def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
