@@ -213,7 +213,7 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
 def _print_table(result: Dict[str, Any]) -> None:
     print(f"\n{result['model']} vs {result['baseline']} ({result['device']}, "
           f"{result['threads']} threads, img {result['img_size']})")
-    print(f"{'figure':<34}{'DCViT':>12}{'ViT':>12}{'ratio':>8}{'target':>9}  met")
+    print(f"{'figure':<34}{'DCViT':>12}{'ViT':>12}{'ratio':>8}{'pairwise':>10}{'target':>9}  met")
     for key, r in result["figures"].items():
         kind = key.split("/")[0]
         op, bound = TARGETS[kind]
@@ -222,7 +222,9 @@ def _print_table(result: Dict[str, Any]) -> None:
             da, db = f"{r['dcvit_bytes'] / 2**20:.0f} MiB", f"{r['vit_bytes'] / 2**20:.0f} MiB"
         else:
             da, db = f"{r['dcvit_ms']:.1f} ms", f"{r['vit_ms']:.1f} ms"
-        print(f"{key:<34}{da:>12}{db:>12}{r['ratio']:>8.3f}{op + str(bound):>9}  {'yes' if met else 'no'}")
+        pairwise = f"{r['ratio_pairwise_median']:.3f}" if "ratio_pairwise_median" in r else "-"
+        print(f"{key:<34}{da:>12}{db:>12}{r['ratio']:>8.3f}{pairwise:>10}{op + str(bound):>9}  "
+              f"{'yes' if met else 'no'}")
 
 
 def _parser() -> argparse.ArgumentParser:
