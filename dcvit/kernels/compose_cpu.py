@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import subprocess
+import sys
 import tempfile
 import warnings
 from typing import Any, Dict, List, Optional
@@ -561,6 +562,8 @@ def _build(cache_dir: str, openmp: bool) -> str:
         src, out = os.path.join(tmp, "compose_cpu.cpp"), os.path.join(tmp, "out.so")
         with open(src, "w") as f:
             f.write(SOURCE)
+        sys.stderr.write(f"dcvit: building the C++ attention kernel into {cache_dir} "
+                         "(once per machine, about 20 s)\n")
         proc = subprocess.run([cxx, *flags, src, "-o", out], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed: {proc.stderr.strip()[:300]}")
