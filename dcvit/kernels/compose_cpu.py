@@ -1,21 +1,24 @@
-"""C++ kernel (threads + OpenMP SIMD) for the fused compose -> mask -> softmax -> compose rows on CPU.
+"""C++ kernels for DCMHA on CPU: the fused compose -> mask -> softmax -> compose rows, and the
+one-pass builder of the per-token Compose matrices, each with its backward.
 
-Plain C++ (no torch headers, so it builds in about a second) compiled on first use with
-the system's ``g++`` into ``$DCVIT_KERNEL_CACHE`` (default ``~/.cache/dcvit``) and called
-through ``ctypes`` on tensor data pointers. When it cannot be built or loaded, `load`
-warns once and returns None, and `dcvit.fused` uses its pure-PyTorch path. Set
+Plain C++ (no torch headers) compiled on first use with the system's ``g++`` (about 20 s,
+once per machine and source) into ``$DCVIT_KERNEL_CACHE`` (default ``~/.cache/dcvit``) and
+called through ``ctypes`` on tensor data pointers. Built with ``-fopenmp`` when torch runs
+on GNU OpenMP, so that ``libgomp.so.1`` resolves to torch's own copy and the kernels run on
+torch's worker threads; with plain threads otherwise. When it cannot be built or loaded,
+`load` warns once and returns None, and `dcvit.fused` uses its pure-PyTorch path. Set
 ``DCVIT_NO_CPP_KERNEL=1`` to skip it.
 
 One "row" is (b, t): the scores of every head of one query against all S keys, an (H, S)
-block that stays in L1 while it is composed, soft-maxed and composed again. Each Compose
-stage applies, per key s, the H×H map::
+block that is composed, soft-maxed and composed again in 32-byte vectors, one block of keys
+at a time with every head's accumulator in registers. Each Compose stage applies, per key
+s, the H×H map::
 
-    out[h, s] = sum_g in[g, s] * (mq[b, t, g, h] + mk[b, g, h, s])
+    out[h, s] = sum_g in[g, s] * (mq[b, t, g, h] + mk[b, s, g, h])
 
-where ``mq`` holds the identity, the static matrix and the query-wise terms, and ``mk``
-((B, S, H, H), repacked per batch element so that a block of keys is contiguous) the
-key-wise terms; a null pointer
-marks an absent stage or side.
+where ``mq`` (B, T, H, H) holds the identity, the static matrix and the query-wise terms,
+and ``mk`` (B, S, H, H), repacked per batch element so that a block of keys is contiguous,
+the key-wise terms; a null pointer marks an absent stage or side.
 """
 import ctypes
 import hashlib
