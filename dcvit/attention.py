@@ -23,8 +23,8 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .compose import compose_unchecked
-from .fused import (composed_attention, composed_attention_compile, rms_normalize, select_impl,
-                    slot_matrices, slot_matrices_from_projections, stage_matrices)
+from .fused import composed_attention, composed_attention_compile, select_impl
+from .matrices import rms_normalize, slot_matrices, slot_matrices_from_projections, stage_matrices
 
 __all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
 

@@ -1,41 +1,36 @@
 """Fast attention cores for DCMHA: composed attention without one (B, H, T, S) tensor per term.
 
-Each Compose stage of SPEC §1.1 is, for query t and key s, one linear map of the heads::
-
-    compose(a)[b,h,t,s] = sum_g a[b,g,t,s] * (Mq[b,t,g,h] + Mk[b,s,g,h])
-    Mq[b,t] = I + W + qw1[b,t]^T qw2[b,t] + diag(qdd[b,t])      # (H, H)
-    Mk[b,s] =         kw1[b,s]^T kw2[b,s] + diag(kdd[b,s])      # (H, H)
-
-so the low-rank terms, gates, identity and static matrix of a side merge into one small
-per-token matrix (`compose_matrices`; in a layer `slot_matrices_from_projections` builds all
-of them from the raw dynamic projections, in one C++ pass on CPU). The attention core
-``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v`` is then one autograd Function
-(`composed_attention`) that saves only q, k, v and the matrices and recomputes the
-(B, H, T, S) maps in backward; on CPU it runs over tiles of (batch, queries) of about
-2 MiB (`TILE_ELEMENTS`), q k^T -> rows -> p v per tile, and the rows (all heads of one
+With each Compose stage merged into per-token H×H matrices (`dcvit.matrices`), the attention
+core ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v`` is one custom op,
+``dcvit::composed_attention`` (`composed_attention`), with its own backward op: it saves
+only q, k, v and the matrices and recomputes the (B, H, T, S) maps in backward, and
+``torch.compile`` keeps it as one node. On CPU it runs over tiles of (batch, queries) of
+about 2 MiB (`TILE_ELEMENTS`), q k^T -> rows -> p v per tile, and the rows (all heads of one
 query together) are computed by:
 
-* ``"cpp"``:    rows in a C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64 (bf16 in fp32);
+* ``"cpp"``:    the C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64 (bf16 in fp32);
 * ``"triton"``: forward rows in a Triton kernel (`dcvit.kernels.compose_triton`), CUDA;
 * ``"torch"``:  the same maths in PyTorch ops, over chunks of queries (any device);
-* ``"compile"``: plain differentiable PyTorch written for inductor to fuse (used
-  automatically inside ``torch.compile``; no graph breaks);
+
+and two more cores skip the custom op:
+
+* ``"compile"``: plain differentiable PyTorch written for inductor to fuse (no graph breaks);
 * ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
   TorchScript and FX tracing use it).
 
 `select_impl` picks one by device, dtype and context; `attention_impl` forces one.
 """
 import contextlib
-import os
 from typing import Iterator, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["IMPLS", "attention_impl", "select_impl", "compose_matrices", "slot_matrices",
-           "slot_matrices_from_projections", "rms_normalize",
-           "stage_matrices", "mix",
-           "composed_attention", "composed_attention_compile"]
+from .kernels import compose_cpu
+from .matrices import mix, mix_fusable
+
+__all__ = ["IMPLS", "attention_impl", "select_impl", "TILE_ELEMENTS", "composed_attention",
+           "composed_attention_compile"]
 
 IMPLS = ("auto", "reference", "torch", "cpp", "triton", "compile")
 
@@ -83,211 +78,17 @@ def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
     if name != "auto":
         return name
     if torch.compiler.is_compiling():
-        return "cpp" if x.device.type == "cpu" and _cpp_available() else "compile"
+        return "cpp" if x.device.type == "cpu" and compose_cpu.available() else "compile"
     if x.device.type == "cuda" and _triton_kernel() is not None:
         return "triton"
-    if x.device.type == "cpu" and _cpp_available():
+    if x.device.type == "cpu" and compose_cpu.available():
         return "cpp"
     return "torch"
-
-
-@torch._dynamo.assume_constant_result
-def _cpp_available() -> bool:
-    """Whether the C++ kernel loads (under torch.compile: evaluated once, while tracing)."""
-    return _cpp_kernel() is not None
-
-
-def _cpp_kernel():
-    from .kernels import compose_cpu
-    return compose_cpu.load()
 
 
 def _triton_kernel():
     from .kernels import compose_triton
     return compose_triton.load()
-
-
-# --------------------------------------------------------------------------- matrices
-
-def _outer_sum(w1: Tensor, w2: Tensor) -> Tensor:
-    """``sum_r w1[..., r, g] w2[..., r, h]`` (..., H, H): broadcast products, since a batched
-    matmul of thousands of (H, R) @ (R, H) blocks is slow on CPU."""
-    return (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)
-
-
-def compose_matrices(num_heads: int,
-                     qw1: Optional[Tensor], qw2: Optional[Tensor],
-                     kw1: Optional[Tensor], kw2: Optional[Tensor],
-                     qdd: Optional[Tensor], kdd: Optional[Tensor],
-                     static: Optional[Tensor], dtype: torch.dtype,
-                     device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """Merge one Compose stage's arguments into per-token H×H matrices, in ``dtype``.
-
-    Returns ``mq`` (B, T, H, H), or (1, 1, H, H) without query-wise terms, holding the
-    identity, ``static`` and the query-wise terms; and ``mk`` (B, S, H, H) with the key-wise
-    terms, or None. Differentiable (autograd flows back to the dynamic weights).
-    """
-    mq = torch.eye(num_heads, dtype=dtype, device=device)                   # (H, H)
-    if static is not None:
-        mq = mq + static.to(dtype)
-    mq = mq.view(1, 1, num_heads, num_heads)
-    if qw1 is not None and qw2 is not None:
-        mq = mq + _outer_sum(qw1.to(dtype), qw2.to(dtype))                   # (B, T, H, H)
-    if qdd is not None:
-        mq = mq + torch.diag_embed(qdd.to(dtype))                            # (B, T, H, H)
-    mk: Optional[Tensor] = None
-    if kw1 is not None and kw2 is not None:
-        mk = _outer_sum(kw1.to(dtype), kw2.to(dtype))                        # (B, S, H, H)
-    if kdd is not None:
-        gate = torch.diag_embed(kdd.to(dtype))                               # (B, S, H, H)
-        mk = gate if mk is None else mk + gate
-    return mq, mk
-
-
-def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
-                  identity_slots: List[int], dtype: torch.dtype) -> Optional[Tensor]:
-    """Every slot's dynamic matrix at once, in a few large ops (each op counts on a busy CPU).
-
-    w1, w2 (B, N, G, R, H) and dd (B, N, G, H) from `DynamicWeights` (either may be None)
-    -> (B, N, G, H, H): ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity on the
-    ``identity_slots`` (the query-side slots, which carry the skip connection); or None.
-    """
-    diag: Optional[Tensor] = None if dd is None else dd.to(dtype)            # (B, N, G, H)
-    if identity_slots:
-        G = (w1 if w1 is not None else dd).shape[2] if (w1 is not None or dd is not None) else 0
-        if G:
-            eye = torch.tensor([[1.0 if g in identity_slots else 0.0] for g in range(G)],
-                               dtype=dtype, device=(w1 if w1 is not None else dd).device)  # (G, 1)
-            diag = eye if diag is None else diag + eye
-    if w1 is not None and w2 is not None:
-        m = _outer_sum(w1.to(dtype), w2.to(dtype))                           # (B, N, G, H, H)
-        if diag is not None:
-            m.diagonal(dim1=-2, dim2=-1).add_(diag)
-        return m
-    if dd is not None and diag is not None:
-        return torch.diag_embed(diag)                                        # (B, N, G, H, H)
-    return None
-
-
-RMS_EPS = 1e-6   # of the RMS norm of w1 over heads (DynamicWeights)
-
-
-def rms_normalize(w1: Tensor, eps: float = RMS_EPS) -> Tensor:
-    """``w1 * rsqrt(mean_h w1^2 + eps)``: the RMS norm of the low-rank query/key weights."""
-    return w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + eps)
-
-
-# The one-pass matrix builder of the C++ kernel as custom ops (forward and backward), so that
-# torch.compile keeps it as one node too.
-
-@torch.library.custom_op("dcvit::slot_matrices", mutates_args=())
-def _slots_op(w: Tensor, dd: Optional[Tensor], ident: Tensor) -> Tensor:
-    import ctypes
-    lib = _cpp_kernel()
-    B, N, G, R2, H = w.shape
-    m = w.new_empty(B, N, G, H, H)
-    fn = lib.dcvit_slots_forward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_forward_f32
-    fn(_ptr(w), _ptr(dd), _ptr(ident), _ptr(m), ctypes.c_int64(B * N), ctypes.c_int64(G),
-       ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
-       ctypes.c_int(torch.get_num_threads()))
-    return m
-
-
-@_slots_op.register_fake
-def _(w, dd, ident):
-    B, N, G, _, H = w.shape
-    return w.new_empty(B, N, G, H, H)
-
-
-@torch.library.custom_op("dcvit::slot_matrices_backward", mutates_args=())
-def _slots_backward_op(w: Tensor, dm: Tensor, with_gate: bool) -> List[Tensor]:
-    import ctypes
-    lib = _cpp_kernel()
-    B, N, G, R2, H = w.shape
-    dm = dm.contiguous()
-    dw = torch.empty_like(w)
-    ddd = w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)
-    fn = lib.dcvit_slots_backward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_backward_f32
-    fn(_ptr(w), _ptr(dm), _ptr(dw), _ptr(ddd if with_gate else None), ctypes.c_int64(B * N),
-       ctypes.c_int64(G), ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
-       ctypes.c_int(torch.get_num_threads()))
-    return [dw, ddd]
-
-
-@_slots_backward_op.register_fake
-def _(w, dm, with_gate):
-    B, N, G, _, H = w.shape
-    return [torch.empty_like(w), w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)]
-
-
-def _slots_setup(ctx, inputs, output) -> None:
-    w, dd, _ = inputs
-    ctx.save_for_backward(w)
-    ctx.with_gate = dd is not None
-
-
-def _slots_grad(ctx, dm: Tensor):
-    (w,) = ctx.saved_tensors
-    dw, ddd = _slots_backward_op(w, dm, ctx.with_gate)
-    return dw, ddd if ctx.with_gate else None, None
-
-
-_slots_op.register_autograd(_slots_grad, setup_context=_slots_setup)
-
-
-def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slots: List[int],
-                                   dtype: torch.dtype) -> Tensor:
-    """Every slot's dynamic matrix from the raw projections, in ``dtype``; differentiable.
-
-    w (B, N, G, 2R, H): ``w1, w2 = w.split(R, -2)`` before the RMS norm of w1; dd (B, N, G, H)
-    or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; on CPU
-    the C++ kernel does it in one pass (one op, ``dcvit::slot_matrices``, instead of a dozen
-    on tiny tensors).
-    """
-    if w.device.type == "cpu" and dtype in (torch.float32, torch.float64) and _cpp_available():
-        G = w.shape[2]
-        ident = torch.tensor([1 if g in identity_slots else 0 for g in range(G)], dtype=torch.int64)
-        return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(), ident)
-    w1, w2 = w.split(w.shape[-2] // 2, dim=-2)
-    return slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)
-
-
-def stage_matrices(slots: Optional[Tensor], q_slot: int, k_slot: int, static: Optional[Tensor],
-                   num_heads: int, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """One stage's ``(mq, mk)`` as in `compose_matrices`, from `slot_matrices` (slot -1: absent;
-    the query slot already holds the identity)."""
-    if slots is not None and q_slot >= 0:
-        mq = slots[:, :, q_slot]                                             # (B, T, H, H)
-    else:
-        mq = torch.eye(num_heads, dtype=dtype, device=device).view(1, 1, num_heads, num_heads)
-    if static is not None:
-        mq = mq + static.to(dtype)
-    mk = slots[:, :, k_slot] if slots is not None and k_slot >= 0 else None  # (B, S, H, H)
-    return mq, mk
-
-
-def mix(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
-    """``out[b,h,t,s] = sum_g a[b,g,t,s] (mq[b,t,g,h] + mk[b,s,g,h])`` with batched matmuls.
-
-    a (B, H, T, S); mq (B|1, T|1, H, H); mk (B, S, H, H) or None.
-    """
-    B, H, T, S = a.shape
-    out = torch.einsum("bgts,btgh->bhts", a, mq.expand(B, T, H, H))          # (B, H, T, S)
-    if mk is not None:
-        out = out + torch.einsum("bgts,bsgh->bhts", a, mk)                   # (B, H, T, S)
-    return out
-
-
-def _mix_fusable(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
-    """`mix` as a sum over input heads of broadcast products: one loop nest for inductor."""
-    H = a.shape[1]
-    out = a.new_zeros(())
-    for g in range(H):
-        coef = mq[:, :, g, :].transpose(1, 2).unsqueeze(-1)                  # (B, H, T, 1)
-        if mk is not None:
-            coef = coef + mk[:, :, g, :].transpose(1, 2).unsqueeze(-2)       # (B, H, T, S)
-        out = out + a[:, g:g + 1] * coef                                     # (B, H, T, S)
-    return out
 
 
 # ------------------------------------------------------------------ rows, pure PyTorch
@@ -372,11 +173,6 @@ def _rows_backward_torch(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: S
 
 # ------------------------------------------------------------------------ rows, C++
 
-def _ptr(t: Optional[Tensor]):
-    import ctypes
-    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)
-
-
 def kernel_operands(s0: Tensor, stage: Stage, dtype: torch.dtype) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """A stage's matrices in the Triton row kernel's layouts: Mq (B, T, H, H), Mk (B, H, H, S)."""
     B, H, T, S = s0.shape
@@ -392,7 +188,7 @@ def _mask_args(s0: Tensor, mask: Optional[Tensor]):
     import ctypes
     if mask is None:
         return [ctypes.c_void_p(0)] + [ctypes.c_int64(0)] * 4
-    return [_ptr(mask)] + [ctypes.c_int64(st) for st in mask.stride()]
+    return [compose_cpu.ptr(mask)] + [ctypes.c_int64(st) for st in mask.stride()]
 
 
 def _cpp_operands(s0: Tensor, stage: Stage) -> Tuple[Optional[Tensor], Optional[Tensor]]:
@@ -408,13 +204,13 @@ def _cpp_operands(s0: Tensor, stage: Stage) -> Tuple[Optional[Tensor], Optional[
 
 def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
     import ctypes
-    lib = _cpp_kernel()
+    lib = compose_cpu.load()
     B, H, T, S = s0.shape
     mq1, mk1 = _cpp_operands(s0, pre)
     mq2, mk2 = _cpp_operands(s0, post)
     out = torch.empty_like(s0)
     fn = lib.dcvit_rows_forward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_forward_f32
-    if fn(_ptr(s0), _ptr(out), *_mask_args(s0, mask), _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2),
+    if fn(compose_cpu.ptr(s0), compose_cpu.ptr(out), *_mask_args(s0, mask), compose_cpu.ptr(mq1), compose_cpu.ptr(mk1), compose_cpu.ptr(mq2), compose_cpu.ptr(mk2),
           ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S),
           ctypes.c_int(torch.get_num_threads())):
         return _rows_forward_torch(s0, mask, pre, post)                     # more heads than it takes
@@ -424,7 +220,7 @@ def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stag
 def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
                        dp2: Tensor) -> Tuple[Tensor, Tensor, Stage, Stage]:
     import ctypes
-    lib = _cpp_kernel()
+    lib = compose_cpu.load()
     B, H, T, S = s0.shape
     n = torch.get_num_threads()
     mq1, mk1 = _cpp_operands(s0, pre)
@@ -435,8 +231,8 @@ def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Sta
     dmk1 = s0.new_zeros(n, B, S, H, H) if mk1 is not None else None
     dmk2 = s0.new_zeros(n, B, S, H, H) if mk2 is not None else None
     fn = lib.dcvit_rows_backward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_backward_f32
-    if fn(_ptr(s0), _ptr(dp2), _ptr(p2), _ptr(ds0), *_mask_args(s0, mask),
-          _ptr(mq1), _ptr(mk1), _ptr(mq2), _ptr(mk2), _ptr(dmq1), _ptr(dmk1), _ptr(dmq2), _ptr(dmk2),
+    if fn(compose_cpu.ptr(s0), compose_cpu.ptr(dp2), compose_cpu.ptr(p2), compose_cpu.ptr(ds0), *_mask_args(s0, mask),
+          compose_cpu.ptr(mq1), compose_cpu.ptr(mk1), compose_cpu.ptr(mq2), compose_cpu.ptr(mk2), compose_cpu.ptr(dmq1), compose_cpu.ptr(dmk1), compose_cpu.ptr(dmq2), compose_cpu.ptr(dmk2),
           ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S), ctypes.c_int(n)):
         return _rows_backward_torch(s0, mask, pre, post, dp2)               # more heads than it takes
 
@@ -694,10 +490,10 @@ def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: 
     """Plain differentiable form of `composed_attention` for ``torch.compile`` to fuse."""
     a = (q * scale) @ k.transpose(-2, -1)                                    # (B, H, T, S)
     if pre[0] is not None:
-        a = _mix_fusable(a, pre[0].to(a.dtype), None if pre[1] is None else pre[1].to(a.dtype))
+        a = mix_fusable(a, pre[0].to(a.dtype), None if pre[1] is None else pre[1].to(a.dtype))
     if mask is not None:
         a = a + mask
     a = a.softmax(dim=-1)
     if post[0] is not None:
-        a = _mix_fusable(a, post[0].to(a.dtype), None if post[1] is None else post[1].to(a.dtype))
+        a = mix_fusable(a, post[0].to(a.dtype), None if post[1] is None else post[1].to(a.dtype))
     return a if v is None else a.to(v.dtype) @ v

@@ -17,7 +17,9 @@ import torch
 
 import dcvit
 from dcvit import compose, fused
-from dcvit.fused import attention_impl, compose_matrices, mix
+from dcvit import matrices
+from dcvit.fused import attention_impl
+from dcvit.matrices import compose_matrices, mix
 from dcvit.kernels import compose_cpu
 
 HAS_CPP = compose_cpu.load() is not None
@@ -91,7 +93,7 @@ def test_merged_matrices_equal_compose(rank, branches):
                               args["kdd"], args["static"], torch.float64, a.device)
     expected = compose(a, **args)
     torch.testing.assert_close(mix(a, mq, mk), expected, atol=1e-12, rtol=0)
-    torch.testing.assert_close(fused._mix_fusable(a, mq, mk), expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(matrices.mix_fusable(a, mq, mk), expected, atol=1e-12, rtol=0)
 
 
 # ------------------------------------------------------------------- layer vs reference
@@ -187,18 +189,18 @@ def test_cpp_slot_matrices_equal_formula(rank, with_gate):
     dd = torch.randn(B, N, G, H, generator=g, dtype=torch.float64, requires_grad=True) if with_gate else None
     identity = [0, 2]
     w1, w2 = w.split(rank, dim=-2)
-    w1n = w1 / torch.sqrt((w1 ** 2).mean(-1, keepdim=True) + fused.RMS_EPS)
+    w1n = w1 / torch.sqrt((w1 ** 2).mean(-1, keepdim=True) + matrices.RMS_EPS)
     want = torch.einsum("bngrh,bngrk->bnghk", w1n, w2)
     eye = torch.eye(H, dtype=torch.float64)
     want = want + torch.stack([eye * (g_ in identity) for g_ in range(G)]).view(1, 1, G, H, H)
     if dd is not None:
         want = want + torch.diag_embed(dd)
-    got = fused.slot_matrices_from_projections(w, dd, identity, torch.float64)
+    got = matrices.slot_matrices_from_projections(w, dd, identity, torch.float64)
     assert "dcvit_slot_matrices" in type(got.grad_fn).__name__                  # the C++ op ran
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     inputs = (w, dd) if dd is not None else (w,)
     assert torch.autograd.gradcheck(
-        lambda *a: fused.slot_matrices_from_projections(a[0], a[1] if len(a) > 1 else None, identity,
+        lambda *a: matrices.slot_matrices_from_projections(a[0], a[1] if len(a) > 1 else None, identity,
                                                         torch.float64), inputs)
 
 

@@ -29,7 +29,9 @@ import tempfile
 import warnings
 from typing import Any, Dict, List, Optional
 
-__all__ = ["load", "SOURCE"]
+import torch
+
+__all__ = ["load", "available", "ptr", "SOURCE"]
 
 SOURCE = r"""
 #include <cmath>
@@ -601,3 +603,14 @@ def load() -> Optional[ctypes.CDLL]:
                           "using the pure-PyTorch fast path instead", RuntimeWarning, stacklevel=2)
     _state["lib"] = lib
     return lib
+
+
+@torch._dynamo.assume_constant_result
+def available() -> bool:
+    """Whether the library loads (inside torch.compile: evaluated once, while tracing)."""
+    return load() is not None
+
+
+def ptr(t: Optional["torch.Tensor"]) -> ctypes.c_void_p:
+    """A tensor's data pointer for the C functions (null for None)."""
+    return ctypes.c_void_p(t.data_ptr() if t is not None else 0)

@@ -1,0 +1,204 @@
+"""Per-token Compose matrices: each Compose stage of SPEC §1.1 as one H×H map per token.
+
+For query t and key s a stage is one linear map of the heads::
+
+    compose(a)[b,h,t,s] = sum_g a[b,g,t,s] * (Mq[b,t,g,h] + Mk[b,s,g,h])
+    Mq[b,t] = I + W + qw1[b,t]^T qw2[b,t] + diag(qdd[b,t])      # (H, H)
+    Mk[b,s] =         kw1[b,s]^T kw2[b,s] + diag(kdd[b,s])      # (H, H)
+
+so the low-rank terms, gates, identity and static matrix of a side merge into one small
+matrix (`compose_matrices`). A layer builds all its slots at once from the raw dynamic
+projections (`slot_matrices_from_projections`; on CPU one C++ pass, the custom op
+``dcvit::slot_matrices``) and takes each stage's pair with `stage_matrices`; `mix` and
+`mix_fusable` apply a pair to a (B, H, T, S) map. `dcvit.fused` runs the attention core on them.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .kernels import compose_cpu
+
+__all__ = ["compose_matrices", "slot_matrices", "slot_matrices_from_projections", "stage_matrices",
+           "rms_normalize", "RMS_EPS", "mix", "mix_fusable"]
+
+
+def _outer_sum(w1: Tensor, w2: Tensor) -> Tensor:
+    """``sum_r w1[..., r, g] w2[..., r, h]`` (..., H, H): broadcast products, since a batched
+    matmul of thousands of (H, R) @ (R, H) blocks is slow on CPU."""
+    return (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)
+
+
+def compose_matrices(num_heads: int,
+                     qw1: Optional[Tensor], qw2: Optional[Tensor],
+                     kw1: Optional[Tensor], kw2: Optional[Tensor],
+                     qdd: Optional[Tensor], kdd: Optional[Tensor],
+                     static: Optional[Tensor], dtype: torch.dtype,
+                     device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """Merge one Compose stage's arguments into per-token H×H matrices, in ``dtype``.
+
+    Returns ``mq`` (B, T, H, H), or (1, 1, H, H) without query-wise terms, holding the
+    identity, ``static`` and the query-wise terms; and ``mk`` (B, S, H, H) with the key-wise
+    terms, or None. Differentiable (autograd flows back to the dynamic weights).
+    """
+    mq = torch.eye(num_heads, dtype=dtype, device=device)                   # (H, H)
+    if static is not None:
+        mq = mq + static.to(dtype)
+    mq = mq.view(1, 1, num_heads, num_heads)
+    if qw1 is not None and qw2 is not None:
+        mq = mq + _outer_sum(qw1.to(dtype), qw2.to(dtype))                   # (B, T, H, H)
+    if qdd is not None:
+        mq = mq + torch.diag_embed(qdd.to(dtype))                            # (B, T, H, H)
+    mk: Optional[Tensor] = None
+    if kw1 is not None and kw2 is not None:
+        mk = _outer_sum(kw1.to(dtype), kw2.to(dtype))                        # (B, S, H, H)
+    if kdd is not None:
+        gate = torch.diag_embed(kdd.to(dtype))                               # (B, S, H, H)
+        mk = gate if mk is None else mk + gate
+    return mq, mk
+
+
+def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
+                  identity_slots: List[int], dtype: torch.dtype) -> Optional[Tensor]:
+    """Every slot's dynamic matrix at once, in a few large ops (each op counts on a busy CPU).
+
+    w1, w2 (B, N, G, R, H) and dd (B, N, G, H) from `DynamicWeights` (either may be None)
+    -> (B, N, G, H, H): ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity on the
+    ``identity_slots`` (the query-side slots, which carry the skip connection); or None.
+    """
+    diag: Optional[Tensor] = None if dd is None else dd.to(dtype)            # (B, N, G, H)
+    if identity_slots:
+        G = (w1 if w1 is not None else dd).shape[2] if (w1 is not None or dd is not None) else 0
+        if G:
+            eye = torch.tensor([[1.0 if g in identity_slots else 0.0] for g in range(G)],
+                               dtype=dtype, device=(w1 if w1 is not None else dd).device)  # (G, 1)
+            diag = eye if diag is None else diag + eye
+    if w1 is not None and w2 is not None:
+        m = _outer_sum(w1.to(dtype), w2.to(dtype))                           # (B, N, G, H, H)
+        if diag is not None:
+            m.diagonal(dim1=-2, dim2=-1).add_(diag)
+        return m
+    if dd is not None and diag is not None:
+        return torch.diag_embed(diag)                                        # (B, N, G, H, H)
+    return None
+
+
+RMS_EPS = 1e-6   # of the RMS norm of w1 over heads (DynamicWeights)
+
+
+def rms_normalize(w1: Tensor, eps: float = RMS_EPS) -> Tensor:
+    """``w1 * rsqrt(mean_h w1^2 + eps)``: the RMS norm of the low-rank query/key weights."""
+    return w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+# The one-pass matrix builder of the C++ kernel as custom ops (forward and backward), so that
+# torch.compile keeps it as one node too.
+
+@torch.library.custom_op("dcvit::slot_matrices", mutates_args=())
+def _slots_op(w: Tensor, dd: Optional[Tensor], ident: Tensor) -> Tensor:
+    import ctypes
+    lib = compose_cpu.load()
+    B, N, G, R2, H = w.shape
+    m = w.new_empty(B, N, G, H, H)
+    fn = lib.dcvit_slots_forward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_forward_f32
+    fn(compose_cpu.ptr(w), compose_cpu.ptr(dd), compose_cpu.ptr(ident), compose_cpu.ptr(m), ctypes.c_int64(B * N), ctypes.c_int64(G),
+       ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
+       ctypes.c_int(torch.get_num_threads()))
+    return m
+
+
+@_slots_op.register_fake
+def _(w, dd, ident):
+    B, N, G, _, H = w.shape
+    return w.new_empty(B, N, G, H, H)
+
+
+@torch.library.custom_op("dcvit::slot_matrices_backward", mutates_args=())
+def _slots_backward_op(w: Tensor, dm: Tensor, with_gate: bool) -> List[Tensor]:
+    import ctypes
+    lib = compose_cpu.load()
+    B, N, G, R2, H = w.shape
+    dm = dm.contiguous()
+    dw = torch.empty_like(w)
+    ddd = w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)
+    fn = lib.dcvit_slots_backward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_backward_f32
+    fn(compose_cpu.ptr(w), compose_cpu.ptr(dm), compose_cpu.ptr(dw), compose_cpu.ptr(ddd if with_gate else None), ctypes.c_int64(B * N),
+       ctypes.c_int64(G), ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
+       ctypes.c_int(torch.get_num_threads()))
+    return [dw, ddd]
+
+
+@_slots_backward_op.register_fake
+def _(w, dm, with_gate):
+    B, N, G, _, H = w.shape
+    return [torch.empty_like(w), w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)]
+
+
+def _slots_setup(ctx, inputs, output) -> None:
+    w, dd, _ = inputs
+    ctx.save_for_backward(w)
+    ctx.with_gate = dd is not None
+
+
+def _slots_grad(ctx, dm: Tensor):
+    (w,) = ctx.saved_tensors
+    dw, ddd = _slots_backward_op(w, dm, ctx.with_gate)
+    return dw, ddd if ctx.with_gate else None, None
+
+
+_slots_op.register_autograd(_slots_grad, setup_context=_slots_setup)
+
+
+def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slots: List[int],
+                                   dtype: torch.dtype) -> Tensor:
+    """Every slot's dynamic matrix from the raw projections, in ``dtype``; differentiable.
+
+    w (B, N, G, 2R, H): ``w1, w2 = w.split(R, -2)`` before the RMS norm of w1; dd (B, N, G, H)
+    or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; on CPU
+    the C++ kernel does it in one pass (one op, ``dcvit::slot_matrices``, instead of a dozen
+    on tiny tensors).
+    """
+    if w.device.type == "cpu" and dtype in (torch.float32, torch.float64) and compose_cpu.available():
+        G = w.shape[2]
+        ident = torch.tensor([1 if g in identity_slots else 0 for g in range(G)], dtype=torch.int64)
+        return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(), ident)
+    w1, w2 = w.split(w.shape[-2] // 2, dim=-2)
+    return slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)
+
+
+def stage_matrices(slots: Optional[Tensor], q_slot: int, k_slot: int, static: Optional[Tensor],
+                   num_heads: int, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """One stage's ``(mq, mk)`` as in `compose_matrices`, from `slot_matrices` (slot -1: absent;
+    the query slot already holds the identity)."""
+    if slots is not None and q_slot >= 0:
+        mq = slots[:, :, q_slot]                                             # (B, T, H, H)
+    else:
+        mq = torch.eye(num_heads, dtype=dtype, device=device).view(1, 1, num_heads, num_heads)
+    if static is not None:
+        mq = mq + static.to(dtype)
+    mk = slots[:, :, k_slot] if slots is not None and k_slot >= 0 else None  # (B, S, H, H)
+    return mq, mk
+
+
+def mix(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
+    """``out[b,h,t,s] = sum_g a[b,g,t,s] (mq[b,t,g,h] + mk[b,s,g,h])`` with batched matmuls.
+
+    a (B, H, T, S); mq (B|1, T|1, H, H); mk (B, S, H, H) or None.
+    """
+    B, H, T, S = a.shape
+    out = torch.einsum("bgts,btgh->bhts", a, mq.expand(B, T, H, H))          # (B, H, T, S)
+    if mk is not None:
+        out = out + torch.einsum("bgts,bsgh->bhts", a, mk)                   # (B, H, T, S)
+    return out
+
+
+def mix_fusable(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
+    """`mix` as a sum over input heads of broadcast products: one loop nest for inductor."""
+    H = a.shape[1]
+    out = a.new_zeros(())
+    for g in range(H):
+        coef = mq[:, :, g, :].transpose(1, 2).unsqueeze(-1)                  # (B, H, T, 1)
+        if mk is not None:
+            coef = coef + mk[:, :, g, :].transpose(1, 2).unsqueeze(-2)       # (B, H, T, S)
+        out = out + a[:, g:g + 1] * coef                                     # (B, H, T, S)
+    return out
