@@ -21,6 +21,7 @@ and two more cores skip the custom op:
 `select_impl` picks one by device, dtype and context; `attention_impl` forces one.
 """
 import contextlib
+import ctypes
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -184,8 +185,7 @@ def kernel_operands(s0: Tensor, stage: Stage, dtype: torch.dtype) -> Tuple[Optio
     return mq, mk
 
 
-def _mask_args(s0: Tensor, mask: Optional[Tensor]):
-    import ctypes
+def _mask_args(mask: Optional[Tensor]):
     if mask is None:
         return [ctypes.c_void_p(0)] + [ctypes.c_int64(0)] * 4
     return [compose_cpu.ptr(mask)] + [ctypes.c_int64(st) for st in mask.stride()]
@@ -203,24 +203,21 @@ def _cpp_operands(s0: Tensor, stage: Stage) -> Tuple[Optional[Tensor], Optional[
 
 
 def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
-    import ctypes
-    lib = compose_cpu.load()
     B, H, T, S = s0.shape
     mq1, mk1 = _cpp_operands(s0, pre)
     mq2, mk2 = _cpp_operands(s0, post)
     out = torch.empty_like(s0)
-    fn = lib.dcvit_rows_forward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_forward_f32
-    if fn(compose_cpu.ptr(s0), compose_cpu.ptr(out), *_mask_args(s0, mask), compose_cpu.ptr(mq1), compose_cpu.ptr(mk1), compose_cpu.ptr(mq2), compose_cpu.ptr(mk2),
-          ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S),
-          ctypes.c_int(torch.get_num_threads())):
+    ptr = compose_cpu.ptr
+    if compose_cpu.function("rows_forward", s0.dtype)(
+            ptr(s0), ptr(out), *_mask_args(mask), ptr(mq1), ptr(mk1), ptr(mq2), ptr(mk2),
+            ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S),
+            ctypes.c_int(torch.get_num_threads())):
         return _rows_forward_torch(s0, mask, pre, post)                     # more heads than it takes
     return out
 
 
 def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
                        dp2: Tensor) -> Tuple[Tensor, Tensor, Stage, Stage]:
-    import ctypes
-    lib = compose_cpu.load()
     B, H, T, S = s0.shape
     n = torch.get_num_threads()
     mq1, mk1 = _cpp_operands(s0, pre)
@@ -230,10 +227,11 @@ def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Sta
     dmq2 = torch.empty_like(mq2) if mq2 is not None else None
     dmk1 = s0.new_zeros(n, B, S, H, H) if mk1 is not None else None
     dmk2 = s0.new_zeros(n, B, S, H, H) if mk2 is not None else None
-    fn = lib.dcvit_rows_backward_f64 if s0.dtype == torch.float64 else lib.dcvit_rows_backward_f32
-    if fn(compose_cpu.ptr(s0), compose_cpu.ptr(dp2), compose_cpu.ptr(p2), compose_cpu.ptr(ds0), *_mask_args(s0, mask),
-          compose_cpu.ptr(mq1), compose_cpu.ptr(mk1), compose_cpu.ptr(mq2), compose_cpu.ptr(mk2), compose_cpu.ptr(dmq1), compose_cpu.ptr(dmk1), compose_cpu.ptr(dmq2), compose_cpu.ptr(dmk2),
-          ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S), ctypes.c_int(n)):
+    ptr = compose_cpu.ptr
+    if compose_cpu.function("rows_backward", s0.dtype)(
+            ptr(s0), ptr(dp2), ptr(p2), ptr(ds0), *_mask_args(mask),
+            ptr(mq1), ptr(mk1), ptr(mq2), ptr(mk2), ptr(dmq1), ptr(dmk1), ptr(dmq2), ptr(dmk2),
+            ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S), ctypes.c_int(n)):
         return _rows_backward_torch(s0, mask, pre, post, dp2)               # more heads than it takes
 
     def key_grad(d: Optional[Tensor]) -> Optional[Tensor]:

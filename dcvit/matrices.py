@@ -12,6 +12,7 @@ projections (`slot_matrices_from_projections`; on CPU one C++ pass, the custom o
 ``dcvit::slot_matrices``) and takes each stage's pair with `stage_matrices`; `mix` and
 `mix_fusable` apply a pair to a (B, H, T, S) map. `dcvit.fused` runs the attention core on them.
 """
+import ctypes
 from typing import List, Optional, Tuple
 
 import torch
@@ -96,14 +97,12 @@ def rms_normalize(w1: Tensor, eps: float = RMS_EPS) -> Tensor:
 
 @torch.library.custom_op("dcvit::slot_matrices", mutates_args=())
 def _slots_op(w: Tensor, dd: Optional[Tensor], ident: Tensor) -> Tensor:
-    import ctypes
-    lib = compose_cpu.load()
     B, N, G, R2, H = w.shape
     m = w.new_empty(B, N, G, H, H)
-    fn = lib.dcvit_slots_forward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_forward_f32
-    fn(compose_cpu.ptr(w), compose_cpu.ptr(dd), compose_cpu.ptr(ident), compose_cpu.ptr(m), ctypes.c_int64(B * N), ctypes.c_int64(G),
-       ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
-       ctypes.c_int(torch.get_num_threads()))
+    compose_cpu.function("slots_forward", w.dtype)(
+        compose_cpu.ptr(w), compose_cpu.ptr(dd), compose_cpu.ptr(ident), compose_cpu.ptr(m),
+        ctypes.c_int64(B * N), ctypes.c_int64(G), ctypes.c_int64(R2 // 2), ctypes.c_int64(H),
+        ctypes.c_double(RMS_EPS), ctypes.c_int(torch.get_num_threads()))
     return m
 
 
@@ -115,16 +114,15 @@ def _(w, dd, ident):
 
 @torch.library.custom_op("dcvit::slot_matrices_backward", mutates_args=())
 def _slots_backward_op(w: Tensor, dm: Tensor, with_gate: bool) -> List[Tensor]:
-    import ctypes
-    lib = compose_cpu.load()
     B, N, G, R2, H = w.shape
     dm = dm.contiguous()
     dw = torch.empty_like(w)
     ddd = w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)
-    fn = lib.dcvit_slots_backward_f64 if w.dtype == torch.float64 else lib.dcvit_slots_backward_f32
-    fn(compose_cpu.ptr(w), compose_cpu.ptr(dm), compose_cpu.ptr(dw), compose_cpu.ptr(ddd if with_gate else None), ctypes.c_int64(B * N),
-       ctypes.c_int64(G), ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
-       ctypes.c_int(torch.get_num_threads()))
+    compose_cpu.function("slots_backward", w.dtype)(
+        compose_cpu.ptr(w), compose_cpu.ptr(dm), compose_cpu.ptr(dw),
+        compose_cpu.ptr(ddd if with_gate else None), ctypes.c_int64(B * N), ctypes.c_int64(G),
+        ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
+        ctypes.c_int(torch.get_num_threads()))
     return [dw, ddd]
 
 
@@ -161,7 +159,8 @@ def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slo
     if w.device.type == "cpu" and dtype in (torch.float32, torch.float64) and compose_cpu.available():
         G = w.shape[2]
         ident = torch.tensor([1 if g in identity_slots else 0 for g in range(G)], dtype=torch.int64)
-        return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(), ident)
+        return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(),
+                         ident)
     w1, w2 = w.split(w.shape[-2] // 2, dim=-2)
     return slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)
 

@@ -31,7 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-__all__ = ["load", "available", "ptr", "SOURCE"]
+__all__ = ["load", "available", "function", "ptr", "SOURCE"]
 
 SOURCE = r"""
 #include <cmath>
@@ -609,6 +609,11 @@ def load() -> Optional[ctypes.CDLL]:
 def available() -> bool:
     """Whether the library loads (inside torch.compile: evaluated once, while tracing)."""
     return load() is not None
+
+
+def function(name: str, dtype: torch.dtype):
+    """The library's C function ``dcvit_{name}_f64`` for float64 data, else ``_f32``."""
+    return getattr(load(), f"dcvit_{name}_{'f64' if dtype == torch.float64 else 'f32'}")
 
 
 def ptr(t: Optional["torch.Tensor"]) -> ctypes.c_void_p:
