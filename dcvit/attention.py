@@ -64,10 +64,11 @@ class DynamicWeights(nn.Module):
         w1     = w1 * rsqrt(mean_h(w1^2) + 1e-6)             # RMS-norm over heads
         dd     = tanh(x @ dd_w).view(B, N, G, H)             # (B, N, G, H)
 
-    (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist.) Returns ``(w1, w2, dd)``; ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is
-    None without ``dynamic_gate``. With ``raw=True`` it returns ``(w, None, dd)``, ``w`` the
-    projections (B, N, G, 2R, H) before the split and the norm (the fast attention cores
-    build the Compose matrices from them in one kernel).
+    (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist.) Returns ``(w1, w2, dd)``;
+    ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is None without
+    ``dynamic_gate``. With ``raw=True`` it returns ``(w, None, dd)``, ``w`` the projections
+    (B, N, G, 2R, H) before the split and the norm (the fast attention cores build the
+    Compose matrices from them in one kernel).
     """
 
     def __init__(self, dim: int, num_heads: int, num_slots: int, rank: int = 2,

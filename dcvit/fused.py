@@ -35,6 +35,8 @@ __all__ = ["IMPLS", "attention_impl", "select_impl", "TILE_ELEMENTS", "composed_
 
 IMPLS = ("auto", "reference", "torch", "cpp", "triton", "compile")
 
+TILE_ELEMENTS = 1 << 19   # per tile of the (b, H, t, S) maps on CPU (float32: 2 MiB)
+
 _override: List[str] = []
 
 
@@ -98,8 +100,8 @@ Stage = Tuple[Optional[Tensor], Optional[Tensor]]
 
 
 def _chunks(t: int, b: int, h: int, s: int) -> List[Tuple[int, int]]:
-    """Query ranges whose (B, H, t, S) slice holds about 2 MiB of float32."""
-    step = max(1, (1 << 19) // max(1, b * h * s))
+    """Query ranges whose (B, H, t, S) slice holds about `TILE_ELEMENTS` elements."""
+    step = max(1, TILE_ELEMENTS // max(1, b * h * s))
     return [(i, min(t, i + step)) for i in range(0, t, step)]
 
 
@@ -253,9 +255,6 @@ def _reduce_to(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tenso
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-TILE_ELEMENTS = 1 << 19   # per tile of the (b, H, t, S) maps on CPU (float32: 2 MiB)
 
 
 def _tiles(B: int, H: int, T: int, S: int, device: torch.device) -> List[Tuple[slice, slice]]:
