@@ -313,18 +313,18 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), cdt)
-    grad = grad.contiguous()
     tiles = _tiles(B, H, T, S, q.device)
     whole = all(ts == slice(0, T) for _, ts in tiles)          # each batch element in one tile
+    fmt = torch.contiguous_format                               # GEMMs write the grads in place
     new = torch.empty_like if whole else torch.zeros_like
-    dq, dk = torch.empty_like(q), new(k)
-    dv = None if v is None else new(v)
+    dq, dk = torch.empty_like(q, memory_format=fmt), new(k, memory_format=fmt)
+    dv = None if v is None else new(v, memory_format=fmt)
     mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
     dmats: List[Optional[Tensor]] = [None] * 4                  # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
     for bs, ts in tiles:
         qt, g = q[bs, :, ts], grad[bs, :, ts]
         s0 = _scores(qt, k[bs], scale)                                       # (b, H, t, S)
-        dp2 = g.to(cdt) if v is None else _bmm(g, v[bs].transpose(-2, -1)).to(cdt)
+        dp2 = g.to(cdt).contiguous() if v is None else _bmm(g, v[bs].transpose(-2, -1)).to(cdt)
         pre = (_tile(mats[0], bs, ts), _tile(mats[1], bs))
         post = (_tile(mats[2], bs, ts), _tile(mats[3], bs))
         p2, ds0, dpre, dpost = _rows_backward(backend, s0, None if mask is None else mask[bs, :, ts],
@@ -380,7 +380,9 @@ def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tenso
 
 @_attention_backward_op.register_fake
 def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale):
-    return [q.new_empty(0) if t is None else torch.empty_like(t) for t in (q, k, v, mq1, mk1, mq2, mk2)]
+    fmt = torch.contiguous_format                                   # as the real op's
+    return [q.new_empty(0) if t is None else torch.empty_like(t, memory_format=fmt)
+            for t in (q, k, v, mq1, mk1, mq2, mk2)]
 
 
 def _attention_setup(ctx, inputs, output) -> None:
@@ -431,23 +433,33 @@ def _cast(m: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return None if m is None else m.to(dtype)
 
 
+def _merges(t: Tensor) -> bool:
+    """Whether a (b, H, n, k) tensor's two leading dims merge into one without a copy."""
+    return t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.stride(1) * t.shape[1]
+
+
 def _bmm(a: Tensor, b: Tensor, alpha: float = 1.0, out: Optional[Tensor] = None) -> Tensor:
-    """``alpha * a @ b`` over the leading dims as one batched GEMM (scale folded into it),
-    into ``out`` (contiguous, of a @ b's shape and dtype) when given."""
-    *lead, n, _ = a.shape
-    a3, b3 = a.reshape(-1, n, a.shape[-1]), b.reshape(-1, b.shape[-2], b.shape[-1])
-    if out is not None:
-        with torch.autocast(a.device.type, enabled=False):                  # out= is not autocast
-            torch.baddbmm(a.new_zeros(()), a3, b3, beta=0, alpha=alpha, out=out.view(-1, n, b.shape[-1]))
-        return out
-    return torch.baddbmm(a.new_zeros(()), a3, b3, beta=0, alpha=alpha).view(*lead, n, b.shape[-1])
+    """``alpha * a @ b`` for (b, H, n, k) @ (b, H, k, m) operands of one dtype (scale folded
+    into the GEMM), into ``out`` (contiguous) when given. On CPU, operands whose (b, H) dims
+    do not merge (q, k, v as views of the qkv projection, the incoming gradient) are
+    multiplied one batch element at a time on their strides, so that they are never copied."""
+    n, m = a.shape[-2], b.shape[-1]
+    if out is None:
+        out = a.new_empty(*a.shape[:-1], m)
+    zero = a.new_zeros(())
+    with torch.autocast(a.device.type, enabled=False):                      # operands are cast
+        if a.device.type == "cpu" and not (_merges(a) and _merges(b)):
+            for i in range(a.shape[0]):
+                torch.baddbmm(zero, a[i], b[i], beta=0, alpha=alpha, out=out[i])
+        else:
+            torch.baddbmm(zero, a.reshape(-1, n, a.shape[-1]), b.reshape(-1, b.shape[-2], m),
+                          beta=0, alpha=alpha, out=out.view(-1, n, m))
+    return out
 
 
 def _scores(q: Tensor, k: Tensor, scale: float) -> Tensor:
     """Scaled scores ``scale q k^T`` in the compute dtype (float32 for bf16/fp16 inputs)."""
-    with torch.autocast(q.device.type, enabled=False):
-        s0 = _bmm(q, k.transpose(-2, -1), scale)                             # (B, H, T, S)
-    return s0.to(_compute_dtype(q)).contiguous()
+    return _bmm(q, k.transpose(-2, -1), scale).to(_compute_dtype(q))       # (B, H, T, S)
 
 
 def _mask_to(mask: Optional[Tensor], shape: Tuple[int, int, int, int], dtype: torch.dtype) -> Optional[Tensor]:
@@ -477,8 +489,7 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     if backend == "cpp" and q.device.type != "cpu":
         raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
                          "use 'triton' or 'torch'")
-    v = None if v is None else v.contiguous()
-    return _attention_op(q.contiguous(), k.contiguous(), v, mask, pre[0], pre[1], post[0], post[1],
+    return _attention_op(q, k, v, mask, pre[0], pre[1], post[0], post[1],
                          backend, float(scale))
 
 

@@ -247,6 +247,29 @@ def test_tiled_attention_equals_one_tile(monkeypatch, budget):
                 torch.testing.assert_close(b, a, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("budget", [1 << 30, 2 * 3 * 9 * 9, 3 * 4 * 9])
+def test_strided_qkv_equal_contiguous(monkeypatch, budget):
+    """q, k, v as views of the qkv projection and a transposed incoming gradient (the layouts
+    DCMHA passes, multiplied on their strides without copies) give the results of contiguous
+    copies, in every tiling."""
+    monkeypatch.setattr(fused, "TILE_ELEMENTS", budget)
+    g = torch.Generator().manual_seed(4)
+    B, H, N, D = 5, 3, 9, 4
+    qkv = torch.randn(B, N, 3, H, D, generator=g, dtype=torch.float64)
+    mats = [torch.randn(B, N, H, H, generator=g, dtype=torch.float64) for _ in range(4)]
+    grad = torch.randn(B, N, H, D, generator=g, dtype=torch.float64).transpose(1, 2)
+    for backend in ["torch"] + (["cpp"] if HAS_CPP else []):
+        results = []
+        for layout in (lambda t: t, torch.Tensor.contiguous):
+            leaf = qkv.clone().requires_grad_()
+            q, k, v = (layout(t) for t in leaf.permute(2, 0, 3, 1, 4).unbind(0))
+            out = fused.composed_attention(q, k, v, None, tuple(mats[:2]), tuple(mats[2:]), backend, 0.5)
+            results.append((out, *torch.autograd.grad(out, leaf, layout(grad))))
+        assert not qkv.permute(2, 0, 3, 1, 4)[0].is_contiguous()
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 @pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
 def test_cpp_rows_equal_torch_rows_float32():
     g = torch.Generator().manual_seed(1)
