@@ -239,7 +239,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16 (bf16 = autocast)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory figure")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per model (median)")
+    p.add_argument("--steps", type=int, default=9, help="timed steps per model (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -283,12 +283,18 @@ def _tile(m: Optional[Tensor], bs: slice, ts: Optional[slice] = None) -> Optiona
 def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
                        mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
                        mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
-    """compose2(softmax(compose1(scale q k^T) + mask)) @ v, tile by tile (no autograd)."""
+    """compose2(softmax(compose1(scale q k^T) + mask)) @ v, tile by tile (no autograd).
+    The output (B, H, T, D) is laid out as (B, T, H, D), so that merging the heads is free."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
-    tiles = _tiles(B, H, T, S, q.device)
     mq1, mk1, mq2, mk2 = _per_call(backend, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
+    if _fused_cpp(backend, q, k, v):
+        out = _out_like(q, v)
+        if _call_fused("attention_forward", [q, k, v, out], [out], mask, [mq1, mk1, mq2, mk2],
+                       (B, H, T, S, q.shape[-1]), scale):
+            return out
+    tiles = _tiles(B, H, T, S, q.device)
     out = q.new_empty(B, H, T, S) if v is None else v.new_empty(B, H, T, v.shape[-1])
     for bs, ts in tiles:
         s0 = _scores(q[bs, :, ts], k[bs], scale)                             # (b, H, t, S)
@@ -300,7 +306,39 @@ def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
             _bmm(p2.to(v.dtype), v[bs], out=out[bs])                          # (b, H, T, D) in place
         else:
             out[bs, :, ts] = _bmm(p2.to(v.dtype), v[bs])
-    return out
+    return out if v is None else _out_like(q, v).copy_(out)
+
+
+def _out_like(q: Tensor, v: Tensor) -> Tensor:
+    """The core's output (B, H, T, D), laid out as (B, T, H, D)."""
+    B, H, T, _ = q.shape
+    return v.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)
+
+
+def _fused_cpp(backend: str, q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
+    """Whether the C++ kernel runs the whole core (products included): float32/float64 CPU
+    operands of one dtype, with values (the kernel's own GEMMs read any strides)."""
+    return (backend == "cpp" and v is not None and q.dtype in (torch.float32, torch.float64)
+            and k.dtype == q.dtype and v.dtype == q.dtype and v.shape[-1] == q.shape[-1]
+            and compose_cpu.available())
+
+
+def _call_fused(name: str, tensors: List[Tensor], outputs: List[Tensor], mask: Optional[Tensor],
+                mats: List[Optional[Tensor]], dims: Tuple[int, ...], scale: float) -> bool:
+    """Call ``dcvit_{name}`` on (B, H, N, D) tensors (their (b, h, n) strides are passed; each
+    must have unit last stride), then `outputs`; False when the kernel declines (too many heads)."""
+    assert all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in tensors)
+    strides = (ctypes.c_int64 * (3 * len(tensors)))(*[x for t in tensors for x in t.stride()[:3]])
+    ptr = compose_cpu.ptr
+    args = [ptr(t) for t in tensors[:3]]
+    if name == "attention_forward":
+        args += [ptr(outputs[0]), strides]
+    else:
+        args += [ptr(tensors[3]), strides, *(ptr(t) for t in outputs[:3])]
+    args += [*_mask_args(mask), *(ptr(m) for m in mats), *(ptr(t) for t in outputs[3:])]
+    args += [ctypes.c_int64(d) for d in dims]
+    return compose_cpu.function(name, tensors[0].dtype)(
+        *args, ctypes.c_double(scale), ctypes.c_int(torch.get_num_threads())) == 0
 
 
 def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
@@ -313,13 +351,21 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), cdt)
+    mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
+    if _fused_cpp(backend, q, k, v):
+        g = grad if grad.stride(-1) == 1 else grad.contiguous()
+        grads = [q.new_empty(B, H, T, q.shape[-1]), q.new_empty(k.shape), q.new_empty(v.shape)]
+        dmats = [None if m is None else q.new_empty(B, T if i % 2 == 0 else S, H, H)
+                 for i, m in enumerate(mats)]
+        if _call_fused("attention_backward", [q, k, v, g], grads + dmats, mask, mats,
+                       (B, H, T, S, q.shape[-1]), scale):
+            return [*grads, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
     tiles = _tiles(B, H, T, S, q.device)
     whole = all(ts == slice(0, T) for _, ts in tiles)          # each batch element in one tile
     fmt = torch.contiguous_format                               # GEMMs write the grads in place
     new = torch.empty_like if whole else torch.zeros_like
     dq, dk = torch.empty_like(q, memory_format=fmt), new(k, memory_format=fmt)
     dv = None if v is None else new(v, memory_format=fmt)
-    mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
     dmats: List[Optional[Tensor]] = [None] * 4                  # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
     for bs, ts in tiles:
         qt, g = q[bs, :, ts], grad[bs, :, ts]
@@ -366,7 +412,7 @@ def _attention_op(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tens
 @_attention_op.register_fake
 def _(q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale):
     B, H, T, _ = q.shape
-    return q.new_empty(B, H, T, k.shape[2]) if v is None else v.new_empty(B, H, T, v.shape[-1])
+    return q.new_empty(B, H, T, k.shape[2]) if v is None else _out_like(q, v)
 
 
 @torch.library.custom_op("dcvit::composed_attention_backward", mutates_args=())

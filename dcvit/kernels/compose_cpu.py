@@ -311,6 +311,144 @@ struct Scratch {
   Row<T> buf(std::vector<T>& v, const Dims& n) { return Row<T>{v.data(), n.SP, n.SP}; }
 };
 
+// The key-wise matrix gradients of one batch element, summed in the packed (nb, H, H, L) layout.
+template <typename T>
+struct KeyGrads {
+  std::vector<T> p1, p2;
+  KeyGrads(const Dims& n, bool one, bool two)
+      : p1(one ? n.nb * n.H * n.H * lanes<T>() : 0), p2(two ? n.nb * n.H * n.H * lanes<T>() : 0) {}
+  T* g1() { return p1.empty() ? nullptr : p1.data(); }
+  T* g2() { return p2.empty() ? nullptr : p2.data(); }
+  // Write batch element b's sums to dst*[b] (dst*: (B, S, H, H)) and restart from zero.
+  void flush(int64_t b, const Dims& n, T* dst1, T* dst2) {
+    if (b < 0) return;
+    const int64_t hhs = n.H * n.H * n.S;
+    if (!p1.empty()) unpack_keys<T>(p1.data(), dst1 + b * hhs, n.H, n.S, n.nb);
+    if (!p2.empty()) unpack_keys<T>(p2.data(), dst2 + b * hhs, n.H, n.S, n.nb);
+    std::fill(p1.begin(), p1.end(), T(0));
+    std::fill(p2.begin(), p2.end(), T(0));
+  }
+};
+
+// ---- GEMM for the attention core's small products (head dim x keys x queries, in cache).
+// C (m, n) = alpha A B (+ C when acc), with A(i, k) = A[i ai + k ak] on any strides (read as
+// broadcasts), B(k, j) = B[k bk + j bj] packed NR = 2 L columns at a time into a (K, NR)
+// panel, C(i, j) = C[i ldc + j]. A 6 x NR register tile: 12 accumulators, 2 panel loads and 6
+// broadcasts per k.
+constexpr int64_t kMR = 6;
+
+template <typename T, int MR>
+inline void gemm_tile(const T* __restrict a, int64_t ai, int64_t ak, const T* __restrict bp,
+                      int64_t K, T* __restrict c, int64_t ldc, int64_t nc, T alpha, bool acc) {
+  constexpr int64_t L = lanes<T>();
+  Vec<T> c0[MR], c1[MR];
+  for (int i = 0; i < MR; ++i) c0[i] = c1[i] = Vec<T>{};
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec<T> b0 = vload(bp + k * 2 * L), b1 = vload(bp + k * 2 * L + L);
+    for (int i = 0; i < MR; ++i) {
+      const Vec<T> x = vsplat(a[i * ai + k * ak]);
+      c0[i] += x * b0;
+      c1[i] += x * b1;
+    }
+  }
+  const Vec<T> al = vsplat(alpha);
+  for (int i = 0; i < MR; ++i) {
+    T* ci = c + i * ldc;
+    Vec<T> r0 = c0[i] * al, r1 = c1[i] * al;
+    if (nc == 2 * L) {
+      if (acc) { r0 += vload(ci); r1 += vload(ci + L); }
+      vstore(ci, r0);
+      vstore(ci + L, r1);
+    } else {
+      T tmp[2 * L];
+      vstore(tmp, r0);
+      vstore(tmp + L, r1);
+      for (int64_t j = 0; j < nc; ++j) ci[j] = acc ? ci[j] + tmp[j] : tmp[j];
+    }
+  }
+}
+
+template <typename T>
+void gemm(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t ai, int64_t ak,
+          const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panel) {
+  constexpr int64_t NR = 2 * lanes<T>();
+  for (int64_t j0 = 0; j0 < n; j0 += NR) {
+    const int64_t nc = std::min(NR, n - j0);
+    if (bk == 1) {                                    // B^T rows are contiguous: read them whole
+      for (int64_t j = 0; j < NR; ++j) {
+        const T* src = B + (j0 + j) * bj;
+        if (j < nc)
+          for (int64_t k = 0; k < K; ++k) panel[k * NR + j] = src[k];
+        else
+          for (int64_t k = 0; k < K; ++k) panel[k * NR + j] = T(0);
+      }
+    } else {
+      for (int64_t k = 0; k < K; ++k) {
+        T* pk = panel + k * NR;
+        const T* src = B + k * bk + j0 * bj;
+        if (bj == 1 && nc == NR) {
+          std::memcpy(pk, src, sizeof(T) * NR);
+        } else {
+          for (int64_t j = 0; j < nc; ++j) pk[j] = src[j * bj];
+          for (int64_t j = nc; j < NR; ++j) pk[j] = T(0);
+        }
+      }
+    }
+    int64_t i = 0;
+    for (; i + kMR <= m; i += kMR)
+      gemm_tile<T, kMR>(A + i * ai, ai, ak, panel, K, C + i * ldc + j0, ldc, nc, alpha, acc);
+    const T* a = A + i * ai;
+    T* c = C + i * ldc + j0;
+    switch (m - i) {
+      case 5: gemm_tile<T, 5>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
+      case 4: gemm_tile<T, 4>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
+      case 3: gemm_tile<T, 3>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
+      case 2: gemm_tile<T, 2>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
+      case 1: gemm_tile<T, 1>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
+      default: break;
+    }
+  }
+}
+
+// A (B, H, N, D) tensor on its strides (the last one 1).
+template <typename P>
+struct Strided {
+  P* ptr;
+  int64_t sb, sh, st;
+  P* at(int64_t b, int64_t h, int64_t t) const { return ptr + b * sb + h * sh + t * st; }
+};
+
+template <typename T>
+struct Operands {
+  Strided<const T> q, k, v;
+  int64_t D;
+  T scale;
+  // tile[h] (tb, S) at head stride hs, row stride SP = scale q[b, h, t0:t0+tb] k[b, h]^T.
+  void scores(T* tile, int64_t b, int64_t t0, int64_t tb, int64_t hs, const Dims& n, T* panel) const {
+    for (int64_t h = 0; h < n.H; ++h)
+      gemm<T>(tb, n.S, D, scale, q.at(b, h, t0), q.st, 1, k.at(b, h, 0), 1, k.st, tile + h * hs,
+              n.SP, false, panel);
+  }
+};
+
+// Queries per tile: all of a batch element's, unless the tile (H, TB, SP) would pass ~4 MiB
+// of float32 or there are fewer batch elements than threads.
+template <typename T>
+int64_t query_block(const Dims& n, int nthreads) {
+  int64_t tb = n.T;
+  if (n.B < nthreads) tb = (n.T * n.B + nthreads - 1) / nthreads;
+  const int64_t budget = (int64_t{1} << 20) / (n.H * n.SP);
+  if (tb > budget) tb = budget;
+  tb = (tb + kMR - 1) / kMR * kMR;
+  return std::max<int64_t>(kMR, std::min(tb, n.T));
+}
+
+// Panel scratch for every product of the core.
+template <typename T>
+int64_t gemm_panel(const Dims& n, int64_t TB, int64_t D) {
+  return std::max({n.S, D, TB}) * 2 * lanes<T>();
+}
+
 template <typename T, int HC>
 struct Rows {
   // p = softmax(compose1(a) + mask) for row (b, t) into the padded buffer p.
@@ -342,7 +480,34 @@ struct Rows {
     });
   }
 
-  // Recompute the row, back-propagate dp2 through compose2, softmax and compose1.
+  // Row (b, t) backward: recompute it from its scores a, write the composed weights to out,
+  // back-propagate g (the weights' gradient) through compose2, softmax and compose1 into da (which
+  // may be g itself: g is read before da is written), the query-wise matrix gradients into
+  // dmq*r and the key-wise ones added to the packed accumulators g1/g2 (null: not wanted).
+  static void backward_row(const Row<T> a, const Row<T> g, const Row<T> out, const Row<T> da,
+                           Scratch<T>& w, const Dims& n, const Mask& mask, const T* mq1r,
+                           const T* k1, const T* mq2r, const T* k2, T* dmq1r, T* g1, T* dmq2r,
+                           T* g2, int64_t b, int64_t t) {
+    const Row<T> p = w.buf(w.p, n), d = w.buf(w.d, n);
+    probs(a, p, n, mask, mq1r, k1, b, t);
+    if (mq2r != nullptr) {
+      mix<T, HC, false>(p, out, mq2r, k2, n.H, n.nb);
+      mix<T, HC, true>(g, d, mq2r, k2, n.H, n.nb);
+      mix_grad<T, HC>(p, g, dmq2r, g2, n.H, n.nb);
+    } else {
+      copy_row<T>(p, out, n.H);
+      copy_row<T>(g, d, n.H);
+    }
+    softmax_grad<T>(p.ptr, d.ptr, n.H, n.SP);
+    if (mq1r != nullptr) {
+      mix<T, HC, true>(d, da, mq1r, k1, n.H, n.nb);
+      mix_grad<T, HC>(a, d, dmq1r, g1, n.H, n.nb);
+    } else {
+      copy_row<T>(d, da, n.H);
+    }
+  }
+
+  // Backward of `forward` over rows of (B, H, T, S) tensors.
   // dmk*_acc: (nthreads, B, S, H, H), zero-filled by the caller; each thread writes the
   // key-wise gradients of the batch elements it covers into its own slice.
   static void backward(const T* s0, const T* dp2, T* p2, T* ds0, Mask mask, const T* mq1,
@@ -351,44 +516,100 @@ struct Rows {
     const int64_t hs = n.T * n.S, HH = n.H * n.H, hhs = HH * n.S;
     parallel_rows(n.B * n.T, nthreads, [&](int64_t begin, int64_t end, int64_t tid) {
       Scratch<T> w(n);
-      const Row<T> p = w.buf(w.p, n), q = w.buf(w.q, n), d = w.buf(w.d, n);
-      const int64_t packed = n.nb * HH * lanes<T>();
-      std::vector<T> g1(dmk1_acc ? packed : 0), g2(dmk2_acc ? packed : 0);
-      auto flush = [&](int64_t b) {                    // packed key grads of b -> dmk*_acc[tid, b]
-        if (b < 0) return;
-        if (dmk1_acc) unpack_keys<T>(g1.data(), dmk1_acc + (tid * n.B + b) * hhs, n.H, n.S, n.nb);
-        if (dmk2_acc) unpack_keys<T>(g2.data(), dmk2_acc + (tid * n.B + b) * hhs, n.H, n.S, n.nb);
-        std::fill(g1.begin(), g1.end(), T(0));
-        std::fill(g2.begin(), g2.end(), T(0));
-      };
+      KeyGrads<T> kg(n, dmk1_acc != nullptr, dmk2_acc != nullptr);
+      T* acc1 = dmk1_acc ? dmk1_acc + tid * n.B * hhs : nullptr;
+      T* acc2 = dmk2_acc ? dmk2_acc + tid * n.B * hhs : nullptr;
       for (int64_t row = begin; row < end; ++row) {
         const int64_t b = row / n.T, t = row % n.T, off = (b * n.H * n.T + t) * n.S;
-        if (b != w.b) flush(w.b);
+        if (b != w.b) kg.flush(w.b, n, acc1, acc2);
         w.enter(b, n, mk1, mk2);
-        const T* mq1r = mq1 ? mq1 + row * HH : nullptr;
-        const T* k1 = mk1 ? w.mk1.data() : nullptr;
         const Row<T> a{const_cast<T*>(s0) + off, hs, n.S}, g{const_cast<T*>(dp2) + off, hs, n.S};
         const Row<T> out{p2 + off, hs, n.S}, da{ds0 + off, hs, n.S};
-        probs(a, p, n, mask, mq1r, k1, b, t);
-        if (mq2 != nullptr) {
-          const T* mq = mq2 + row * HH;
-          const T* k2 = mk2 ? w.mk2.data() : nullptr;
-          mix<T, HC, false>(p, out, mq, k2, n.H, n.nb);
-          mix<T, HC, true>(g, d, mq, k2, n.H, n.nb);
-          mix_grad<T, HC>(p, g, dmq2 + row * HH, dmk2_acc ? g2.data() : nullptr, n.H, n.nb);
-        } else {
-          copy_row<T>(p, out, n.H);
-          copy_row<T>(g, d, n.H);
-        }
-        softmax_grad<T>(p.ptr, d.ptr, n.H, n.SP);
-        if (mq1r != nullptr) {
-          mix<T, HC, true>(d, da, mq1r, k1, n.H, n.nb);
-          mix_grad<T, HC>(a, d, dmq1 + row * HH, dmk1_acc ? g1.data() : nullptr, n.H, n.nb);
-        } else {
-          copy_row<T>(d, da, n.H);
-        }
+        backward_row(a, g, out, da, w, n, mask, mq1 ? mq1 + row * HH : nullptr,
+                     mk1 ? w.mk1.data() : nullptr, mq2 ? mq2 + row * HH : nullptr,
+                     mk2 ? w.mk2.data() : nullptr, dmq1 ? dmq1 + row * HH : nullptr, kg.g1(),
+                     dmq2 ? dmq2 + row * HH : nullptr, kg.g2(), b, t);
       }
-      flush(w.b);
+      kg.flush(w.b, n, acc1, acc2);
+    });
+  }
+
+  // The whole attention core of one layer, flash-style: for each batch element and block of
+  // queries, q k^T -> rows -> p v in the thread's own cache-sized tiles (GEMMs by `gemm`), the
+  // output written on its strides. The tile's rows live at row stride SP, head stride TB * SP.
+  static void attention_forward(const Operands<T>& o, const Strided<T> out, Mask mask, const T* mq1,
+                                const T* mk1, const T* mq2, const T* mk2, const Dims n,
+                                int nthreads) {
+    const int64_t TB = query_block<T>(n, nthreads), nq = (n.T + TB - 1) / TB, HH = n.H * n.H;
+    parallel_rows(n.B * nq, nthreads, [&](int64_t begin, int64_t end, int64_t) {
+      Scratch<T> w(n);
+      std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP), panel(gemm_panel<T>(n, TB, o.D));
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / nq, t0 = (item % nq) * TB, tb = std::min(TB, n.T - t0);
+        w.enter(b, n, mk1, mk2);
+        o.scores(st.data(), b, t0, tb, TB * n.SP, n, panel.data());
+        for (int64_t r = 0; r < tb; ++r) {
+          const int64_t row = b * n.T + t0 + r;
+          const Row<T> a{st.data() + r * n.SP, TB * n.SP, n.S}, p = w.buf(w.p, n);
+          const Row<T> p2{pt.data() + r * n.SP, TB * n.SP, n.S};
+          probs(a, p, n, mask, mq1 ? mq1 + row * HH : nullptr, mk1 ? w.mk1.data() : nullptr, b, t0 + r);
+          if (mq2 != nullptr)
+            mix<T, HC, false>(p, p2, mq2 + row * HH, mk2 ? w.mk2.data() : nullptr, n.H, n.nb);
+          else
+            copy_row<T>(p, p2, n.H);
+        }
+        for (int64_t h = 0; h < n.H; ++h)                      // out[b, h, t0:] = p2 v
+          gemm<T>(tb, o.D, n.S, T(1), pt.data() + h * TB * n.SP, n.SP, 1, o.v.at(b, h, 0), o.v.st, 1,
+                  out.at(b, h, t0), out.st, false, panel.data());
+      }
+    });
+  }
+
+  // Backward of `attention_forward`, one batch element per work item (so that the key-side
+  // gradients dk, dv and dmk* of b are summed by one thread, in place).
+  static void attention_backward(const Operands<T>& o, const T* grad, const int64_t* gs, T* dq,
+                                 T* dk, T* dv, Mask mask, const T* mq1, const T* mk1, const T* mq2,
+                                 const T* mk2, T* dmq1, T* dmk1, T* dmq2, T* dmk2, const Dims n,
+                                 int nthreads) {
+    const int64_t TB = query_block<T>(n, 1), HH = n.H * n.H, D = o.D;
+    const Strided<const T> g{grad, gs[0], gs[1], gs[2]};
+    parallel_rows(n.B, nthreads, [&](int64_t begin, int64_t end, int64_t) {
+      Scratch<T> w(n);
+      KeyGrads<T> kg(n, dmk1 != nullptr, dmk2 != nullptr);
+      std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP), gt(n.H * TB * n.SP);
+      std::vector<T> panel(gemm_panel<T>(n, TB, D));
+      const int64_t hs = TB * n.SP;
+      for (int64_t b = begin; b < end; ++b) {
+        w.enter(b, n, mk1, mk2);
+        for (int64_t t0 = 0; t0 < n.T; t0 += TB) {
+          const int64_t tb = std::min(TB, n.T - t0);
+          const bool acc = t0 > 0;
+          o.scores(st.data(), b, t0, tb, hs, n, panel.data());
+          for (int64_t h = 0; h < n.H; ++h)                    // dp2 = g v^T
+            gemm<T>(tb, n.S, D, T(1), g.at(b, h, t0), g.st, 1, o.v.at(b, h, 0), 1, o.v.st,
+                    gt.data() + h * hs, n.SP, false, panel.data());
+          for (int64_t r = 0; r < tb; ++r) {
+            const int64_t row = b * n.T + t0 + r;
+            const Row<T> a{st.data() + r * n.SP, hs, n.S}, gr{gt.data() + r * n.SP, hs, n.S};
+            const Row<T> p2{pt.data() + r * n.SP, hs, n.S};
+            backward_row(a, gr, p2, gr, w, n, mask, mq1 ? mq1 + row * HH : nullptr,
+                         mk1 ? w.mk1.data() : nullptr, mq2 ? mq2 + row * HH : nullptr,
+                         mk2 ? w.mk2.data() : nullptr, dmq1 ? dmq1 + row * HH : nullptr, kg.g1(),
+                         dmq2 ? dmq2 + row * HH : nullptr, kg.g2(), b, t0 + r);
+          }
+          for (int64_t h = 0; h < n.H; ++h) {                  // gt now holds ds = d(scores)
+            T* dvh = dv + (b * n.H + h) * n.S * D;
+            T* dkh = dk + (b * n.H + h) * n.S * D;
+            gemm<T>(n.S, D, tb, T(1), pt.data() + h * hs, 1, n.SP, g.at(b, h, t0), g.st, 1, dvh, D,
+                    acc, panel.data());                       // dv += p2^T g
+            gemm<T>(tb, D, n.S, o.scale, gt.data() + h * hs, n.SP, 1, o.k.at(b, h, 0), o.k.st, 1,
+                    dq + ((b * n.H + h) * n.T + t0) * D, D, false, panel.data());   // dq = ds k
+            gemm<T>(n.S, D, tb, o.scale, gt.data() + h * hs, 1, n.SP, o.q.at(b, h, t0), o.q.st, 1,
+                    dkh, D, acc, panel.data());               // dk += ds^T q
+          }
+        }
+        kg.flush(b, n, dmk1, dmk2);
+      }
     });
   }
 };
@@ -514,6 +735,43 @@ void slots_backward(const T* w, const T* dm, T* dw, T* ddd, int64_t BN, int64_t 
 DCVIT_EXPORT(float, f32)
 DCVIT_EXPORT(double, f64)
 
+// q, k, v (B, H, N, D) on their strides (st: q, k, v, out/grad as (sb, sh, st) triples); out on
+// its strides; dq, dk, dv contiguous; dmq* (B, T, H, H), dmk* (B, S, H, H) written in full.
+#define DCVIT_EXPORT_ATTENTION(T, SUFFIX)                                                         \
+  extern "C" int dcvit_attention_forward_##SUFFIX(                                                \
+      const T* q, const T* k, const T* v, T* out, const int64_t* st, const T* mask, int64_t msb,  \
+      int64_t msh, int64_t mst, int64_t mss, const T* mq1, const T* mk1, const T* mq2,            \
+      const T* mk2, int64_t B, int64_t H, int64_t T_, int64_t S, int64_t D, double scale,         \
+      int nthreads) {                                                                             \
+    if (H > kMaxHeads) return 1;                                                                  \
+    const Dims n = dims<T>(B, H, T_, S);                                                          \
+    const Operands<T> o{{q, st[0], st[1], st[2]}, {k, st[3], st[4], st[5]},                       \
+                        {v, st[6], st[7], st[8]}, D, static_cast<T>(scale)};                      \
+    with_heads<T>(H, [&](auto rows) {                                                             \
+      rows.attention_forward(o, Strided<T>{out, st[9], st[10], st[11]},                           \
+                             Mask{mask, msb, msh, mst, mss}, mq1, mk1, mq2, mk2, n, nthreads);    \
+    });                                                                                           \
+    return 0;                                                                                     \
+  }                                                                                               \
+  extern "C" int dcvit_attention_backward_##SUFFIX(                                               \
+      const T* q, const T* k, const T* v, const T* grad, const int64_t* st, T* dq, T* dk, T* dv,  \
+      const T* mask, int64_t msb, int64_t msh, int64_t mst, int64_t mss, const T* mq1,            \
+      const T* mk1, const T* mq2, const T* mk2, T* dmq1, T* dmk1, T* dmq2, T* dmk2, int64_t B,    \
+      int64_t H, int64_t T_, int64_t S, int64_t D, double scale, int nthreads) {                  \
+    if (H > kMaxHeads) return 1;                                                                  \
+    const Dims n = dims<T>(B, H, T_, S);                                                          \
+    const Operands<T> o{{q, st[0], st[1], st[2]}, {k, st[3], st[4], st[5]},                       \
+                        {v, st[6], st[7], st[8]}, D, static_cast<T>(scale)};                      \
+    with_heads<T>(H, [&](auto rows) {                                                             \
+      rows.attention_backward(o, grad, st + 9, dq, dk, dv, Mask{mask, msb, msh, mst, mss}, mq1,   \
+                              mk1, mq2, mk2, dmq1, dmk1, dmq2, dmk2, n, nthreads);                \
+    });                                                                                           \
+    return 0;                                                                                     \
+  }
+
+DCVIT_EXPORT_ATTENTION(float, f32)
+DCVIT_EXPORT_ATTENTION(double, f64)
+
 #define DCVIT_EXPORT_SLOTS(T, SUFFIX)                                                             \
   extern "C" void dcvit_slots_forward_##SUFFIX(const T* w, const T* dd, const int64_t* ident,     \
                                                T* m, int64_t BN, int64_t G, int64_t R, int64_t H, \
@@ -589,7 +847,9 @@ def load() -> Optional[ctypes.CDLL]:
             try:
                 lib = ctypes.CDLL(_build(cache_dir, openmp))
                 for name in ("dcvit_rows_forward_f32", "dcvit_rows_forward_f64",
-                             "dcvit_rows_backward_f32", "dcvit_rows_backward_f64"):
+                             "dcvit_rows_backward_f32", "dcvit_rows_backward_f64",
+                             "dcvit_attention_forward_f32", "dcvit_attention_forward_f64",
+                             "dcvit_attention_backward_f32", "dcvit_attention_backward_f64"):
                     getattr(lib, name).restype = ctypes.c_int
                 for name in ("dcvit_slots_forward_f32", "dcvit_slots_forward_f64",
                              "dcvit_slots_backward_f32", "dcvit_slots_backward_f64"):
