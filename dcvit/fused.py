@@ -283,15 +283,16 @@ def _tile(m: Optional[Tensor], bs: slice, ts: Optional[slice] = None) -> Optiona
 def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
                        mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
                        mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
-    """compose2(softmax(compose1(scale q k^T) + mask)) @ v, tile by tile (no autograd).
-    The output (B, H, T, D) is laid out as (B, T, H, D), so that merging the heads is free."""
+    """compose2(softmax(compose1(scale q k^T) + mask)) @ v, tile by tile (no autograd), as
+    (B, T, H, D) (so that merging the heads is free), or the weights (B, H, T, S) without v."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
     mq1, mk1, mq2, mk2 = _per_call(backend, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
     if _fused_cpp(backend, q, k, v):
         out = _out_like(q, v)
-        if _call_fused("attention_forward", [q, k, v, out], [out], mask, [mq1, mk1, mq2, mk2],
+        view = out.transpose(1, 2)                                          # (B, H, T, D)
+        if _call_fused("attention_forward", [q, k, v, view], [view], mask, [mq1, mk1, mq2, mk2],
                        (B, H, T, S, q.shape[-1]), scale):
             return out
     tiles = _tiles(B, H, T, S, q.device)
@@ -306,13 +307,13 @@ def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
             _bmm(p2.to(v.dtype), v[bs], out=out[bs])                          # (b, H, T, D) in place
         else:
             out[bs, :, ts] = _bmm(p2.to(v.dtype), v[bs])
-    return out if v is None else _out_like(q, v).copy_(out)
+    return out if v is None else _out_like(q, v).copy_(out.transpose(1, 2))
 
 
 def _out_like(q: Tensor, v: Tensor) -> Tensor:
-    """The core's output (B, H, T, D), laid out as (B, T, H, D)."""
+    """The core's output: (B, T, H, D)."""
     B, H, T, _ = q.shape
-    return v.new_empty(B, T, H, v.shape[-1]).transpose(1, 2)
+    return v.new_empty(B, T, H, v.shape[-1])
 
 
 def _fused_cpp(backend: str, q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
@@ -347,6 +348,8 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
                         scale: float) -> List[Optional[Tensor]]:
     """Gradients of `_attention_forward` for q, k, v, mq1, mk1, mq2, mk2: the maps are
     recomputed tile by tile, nothing was saved but the inputs."""
+    if v is not None:
+        grad = grad.transpose(1, 2)                             # of the (B, T, H, D) output
     cdt = _compute_dtype(q)
     B, H, T, _ = q.shape
     S = k.shape[2]
@@ -525,8 +528,9 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     q, k, v: (B, H, N, D), any strides; scale: multiplies q k^T (folded into the GEMM);
     mask: additive, broadcast to (B, H, T, S), or
     None; pre/post: ``(mq, mk)`` from `compose_matrices`, or ``(None, None)`` for an absent
-    stage; backend: ``"cpp"``, ``"triton"`` or ``"torch"``. Returns (B, H, T, D), or the
-    composed weights (B, H, T, S) when ``v`` is None.
+    stage; backend: ``"cpp"``, ``"triton"`` or ``"torch"``. Returns (B, H, T, D) (a view of
+    a (B, T, H, D) tensor, so that merging the heads costs no copy), or the composed weights
+    (B, H, T, S) when ``v`` is None.
     """
     if backend == "cpp" and q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
         backend = "torch"
@@ -535,8 +539,8 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     if backend == "cpp" and q.device.type != "cpu":
         raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
                          "use 'triton' or 'torch'")
-    return _attention_op(q, k, v, mask, pre[0], pre[1], post[0], post[1],
-                         backend, float(scale))
+    out = _attention_op(q, k, v, mask, pre[0], pre[1], post[0], post[1], backend, float(scale))
+    return out if v is None else out.transpose(1, 2)
 
 
 def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],

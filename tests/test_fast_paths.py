@@ -416,6 +416,19 @@ def test_torch_compile_keeps_the_cpp_kernels_as_ops():
         assert any(op in t for t in targets), (op, targets)
 
 
+@pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if HAS_CPP else []))
+def test_custom_ops_pass_opcheck(backend):
+    """The core's custom op: schema, autograd registration, fake-tensor rule (shapes and
+    strides of the real outputs) and AOT dispatch, as torch.library checks them."""
+    B, N, H, D = 2, 9, 3, 8
+    qkv = torch.randn(B, N, 3, H, D, requires_grad=True)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+    mats = [torch.randn(B, N, H, H, requires_grad=True) for _ in range(4)]
+    for values in (v, None):
+        results = torch.library.opcheck(fused._attention_op, (q, k, values, None, *mats, backend, 0.5))
+        assert set(results.values()) == {"SUCCESS"}, results
+
+
 @pytest.mark.slow
 def test_torch_compile_inductor_matches_reference():
     torch._dynamo.reset()
