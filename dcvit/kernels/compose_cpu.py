@@ -331,22 +331,32 @@ struct KeyGrads {
 };
 
 // ---- GEMM for the attention core's small products (head dim x keys x queries, in cache).
-// C (m, n) = alpha A B (+ C when acc), with A(i, k) = A[i ai + k ak] on any strides (read as
-// broadcasts), B(k, j) = B[k bk + j bj] packed NR = 2 L columns at a time into a (K, NR)
-// panel, C(i, j) = C[i ldc + j]. A 6 x NR register tile: 12 accumulators, 2 panel loads and 6
-// broadcasts per k.
+// C (m, n) = alpha A B (+ C when acc), with A(i, k) = A[i ai + k] (ROWS) or A[i + k ak] (the
+// transposed operand), read as broadcasts; B(k, j) = B[k bk + j bj] packed NR = 2 L columns
+// at a time into a (K, NR) panel; C(i, j) = C[i ldc + j]. A 6 x NR register tile: 12
+// accumulators, 2 panel loads and 6 broadcasts per k.
 constexpr int64_t kMR = 6;
 
-template <typename T, int MR>
-inline void gemm_tile(const T* __restrict a, int64_t ai, int64_t ak, const T* __restrict bp,
-                      int64_t K, T* __restrict c, int64_t ldc, int64_t nc, T alpha, bool acc) {
+template <typename T, int MR, bool ROWS>
+inline void gemm_tile(const T* __restrict a, int64_t as, const T* __restrict bp, int64_t K,
+                      T* __restrict c, int64_t ldc, int64_t nc, T alpha, bool acc) {
   constexpr int64_t L = lanes<T>();
+  auto at = [&](int i, int64_t k) __attribute__((always_inline)) {
+    return vsplat(ROWS ? a[i * as + k] : a[i + k * as]);
+  };
   Vec<T> c0[MR], c1[MR];
-  for (int i = 0; i < MR; ++i) c0[i] = c1[i] = Vec<T>{};
-  for (int64_t k = 0; k < K; ++k) {
+  {                                                   // k = 0 initialises (K >= 1)
+    const Vec<T> b0 = vload(bp), b1 = vload(bp + L);
+    for (int i = 0; i < MR; ++i) {
+      const Vec<T> x = at(i, 0);
+      c0[i] = x * b0;
+      c1[i] = x * b1;
+    }
+  }
+  for (int64_t k = 1; k < K; ++k) {
     const Vec<T> b0 = vload(bp + k * 2 * L), b1 = vload(bp + k * 2 * L + L);
     for (int i = 0; i < MR; ++i) {
-      const Vec<T> x = vsplat(a[i * ai + k * ak]);
+      const Vec<T> x = at(i, k);
       c0[i] += x * b0;
       c1[i] += x * b1;
     }
@@ -368,10 +378,11 @@ inline void gemm_tile(const T* __restrict a, int64_t ai, int64_t ak, const T* __
   }
 }
 
-template <typename T>
-void gemm(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t ai, int64_t ak,
-          const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panel) {
+template <typename T, bool ROWS>
+void gemm_rows(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t as,
+               const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panel) {
   constexpr int64_t NR = 2 * lanes<T>();
+  const int64_t ai = ROWS ? as : 1;                   // step of A between rows of C
   for (int64_t j0 = 0; j0 < n; j0 += NR) {
     const int64_t nc = std::min(NR, n - j0);
     if (bk == 1) {                                    // B^T rows are contiguous: read them whole
@@ -396,18 +407,29 @@ void gemm(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t ai, int6
     }
     int64_t i = 0;
     for (; i + kMR <= m; i += kMR)
-      gemm_tile<T, kMR>(A + i * ai, ai, ak, panel, K, C + i * ldc + j0, ldc, nc, alpha, acc);
+      gemm_tile<T, kMR, ROWS>(A + i * ai, as, panel, K, C + i * ldc + j0, ldc, nc, alpha, acc);
     const T* a = A + i * ai;
     T* c = C + i * ldc + j0;
     switch (m - i) {
-      case 5: gemm_tile<T, 5>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
-      case 4: gemm_tile<T, 4>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
-      case 3: gemm_tile<T, 3>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
-      case 2: gemm_tile<T, 2>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
-      case 1: gemm_tile<T, 1>(a, ai, ak, panel, K, c, ldc, nc, alpha, acc); break;
+      case 5: gemm_tile<T, 5, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
+      case 4: gemm_tile<T, 4, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
+      case 3: gemm_tile<T, 3, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
+      case 2: gemm_tile<T, 2, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
+      case 1: gemm_tile<T, 1, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
       default: break;
     }
   }
+}
+
+// A given as A(i, k) = A[i ai + k ak] with ak == 1 (rows) or ai == 1 (columns).
+template <typename T>
+void gemm(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t ai, int64_t ak,
+          const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panel) {
+  if (K < 1) return;                                  // never: K is D, S or a block of queries
+  if (ak == 1)
+    gemm_rows<T, true>(m, n, K, alpha, A, ai, B, bk, bj, C, ldc, acc, panel);
+  else
+    gemm_rows<T, false>(m, n, K, alpha, A, ak, B, bk, bj, C, ldc, acc, panel);
 }
 
 // A (B, H, N, D) tensor on its strides (the last one 1).
