@@ -378,12 +378,12 @@ inline void gemm_tile(const T* __restrict a, int64_t as, const T* __restrict bp,
   }
 }
 
-template <typename T, bool ROWS>
-void gemm_rows(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t as,
-               const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panel) {
+// B (K, n) as B(k, j) = B[k bk + j bj] -> panels (ceil(n / NR), K, NR), zero-padded columns.
+template <typename T>
+void pack_panels(int64_t K, int64_t n, const T* B, int64_t bk, int64_t bj, T* dst) {
   constexpr int64_t NR = 2 * lanes<T>();
-  const int64_t ai = ROWS ? as : 1;                   // step of A between rows of C
   for (int64_t j0 = 0; j0 < n; j0 += NR) {
+    T* panel = dst + j0 * K;
     const int64_t nc = std::min(NR, n - j0);
     if (bk == 1) {                                    // B^T rows are contiguous: read them whole
       for (int64_t j = 0; j < NR; ++j) {
@@ -405,6 +405,24 @@ void gemm_rows(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t as,
         }
       }
     }
+  }
+}
+
+// Elements of `pack_panels`'s output for K x n.
+template <typename T>
+int64_t panels_size(int64_t K, int64_t n) {
+  constexpr int64_t NR = 2 * lanes<T>();
+  return (n + NR - 1) / NR * NR * K;
+}
+
+template <typename T, bool ROWS>
+void gemm_panels(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t as,
+                 const T* panels, T* C, int64_t ldc, bool acc) {
+  constexpr int64_t NR = 2 * lanes<T>();
+  const int64_t ai = ROWS ? as : 1;                   // step of A between rows of C
+  for (int64_t j0 = 0; j0 < n; j0 += NR) {
+    const int64_t nc = std::min(NR, n - j0);
+    const T* panel = panels + j0 * K;
     int64_t i = 0;
     for (; i + kMR <= m; i += kMR)
       gemm_tile<T, kMR, ROWS>(A + i * ai, as, panel, K, C + i * ldc + j0, ldc, nc, alpha, acc);
@@ -421,15 +439,21 @@ void gemm_rows(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t as,
   }
 }
 
-// A given as A(i, k) = A[i ai + k ak] with ak == 1 (rows) or ai == 1 (columns).
+// A given as A(i, k) = A[i ai + k ak] with ak == 1 (rows) or ai == 1 (columns); B packed
+// into `panels` (`panels_size(K, n)` elements) unless `packed` (from `pack_panels`) is given.
 template <typename T>
 void gemm(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t ai, int64_t ak,
-          const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panel) {
+          const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panels,
+          const T* packed = nullptr) {
   if (K < 1) return;                                  // never: K is D, S or a block of queries
+  if (packed == nullptr) {
+    pack_panels<T>(K, n, B, bk, bj, panels);
+    packed = panels;
+  }
   if (ak == 1)
-    gemm_rows<T, true>(m, n, K, alpha, A, ai, B, bk, bj, C, ldc, acc, panel);
+    gemm_panels<T, true>(m, n, K, alpha, A, ai, packed, C, ldc, acc);
   else
-    gemm_rows<T, false>(m, n, K, alpha, A, ak, B, bk, bj, C, ldc, acc, panel);
+    gemm_panels<T, false>(m, n, K, alpha, A, ak, packed, C, ldc, acc);
 }
 
 // A (B, H, N, D) tensor on its strides (the last one 1).
@@ -445,30 +469,52 @@ struct Operands {
   Strided<const T> q, k, v;
   int64_t D;
   T scale;
+};
+
+// One batch element's k and v packed once for the products that read them whole, every head:
+// k^T and v^T (D x S panels, for q k^T and g v^T), k and v (S x D panels, for ds k and p v).
+template <typename T>
+struct KeyPanels {
+  int64_t per_t, per_d;
+  std::vector<T> kt, vt, kd, vd;
+  KeyPanels(const Dims& n, int64_t D, bool backward)
+      : per_t(panels_size<T>(D, n.S)), per_d(panels_size<T>(n.S, D)),
+        kt(n.H * per_t), vt(backward ? n.H * per_t : 0), kd(backward ? n.H * per_d : 0),
+        vd(n.H * per_d) {}
+  void pack(const Operands<T>& o, int64_t b, const Dims& n) {
+    for (int64_t h = 0; h < n.H; ++h) {
+      pack_panels<T>(o.D, n.S, o.k.at(b, h, 0), 1, o.k.st, kt.data() + h * per_t);
+      pack_panels<T>(n.S, o.D, o.v.at(b, h, 0), o.v.st, 1, vd.data() + h * per_d);
+      if (!vt.empty()) pack_panels<T>(o.D, n.S, o.v.at(b, h, 0), 1, o.v.st, vt.data() + h * per_t);
+      if (!kd.empty()) pack_panels<T>(n.S, o.D, o.k.at(b, h, 0), o.k.st, 1, kd.data() + h * per_d);
+    }
+  }
   // tile[h] (tb, S) at head stride hs, row stride SP = scale q[b, h, t0:t0+tb] k[b, h]^T.
-  void scores(T* tile, int64_t b, int64_t t0, int64_t tb, int64_t hs, const Dims& n, T* panel) const {
+  void scores(const Operands<T>& o, T* tile, int64_t b, int64_t t0, int64_t tb, int64_t hs,
+              const Dims& n) const {
     for (int64_t h = 0; h < n.H; ++h)
-      gemm<T>(tb, n.S, D, scale, q.at(b, h, t0), q.st, 1, k.at(b, h, 0), 1, k.st, tile + h * hs,
-              n.SP, false, panel);
+      gemm<T>(tb, n.S, o.D, o.scale, o.q.at(b, h, t0), o.q.st, 1, nullptr, 0, 0, tile + h * hs,
+              n.SP, false, nullptr, kt.data() + h * per_t);
   }
 };
 
-// Queries per tile: all of a batch element's, unless the tile (H, TB, SP) would pass ~4 MiB
-// of float32 or there are fewer batch elements than threads.
+// Queries per tile: all of a batch element's, unless the tile (H, TB, SP) would pass ~512 KiB
+// of float32 (so that a thread's tiles stay in its core's cache) or there are fewer batch
+// elements than threads.
 template <typename T>
 int64_t query_block(const Dims& n, int nthreads) {
   int64_t tb = n.T;
   if (n.B < nthreads) tb = (n.T * n.B + nthreads - 1) / nthreads;
-  const int64_t budget = (int64_t{1} << 20) / (n.H * n.SP);
+  const int64_t budget = (int64_t{1} << 17) / (n.H * n.SP);
   if (tb > budget) tb = budget;
   tb = (tb + kMR - 1) / kMR * kMR;
   return std::max<int64_t>(kMR, std::min(tb, n.T));
 }
 
-// Panel scratch for every product of the core.
+// Panel scratch for the products packed per tile (B: a block of g or q rows, TB x D).
 template <typename T>
-int64_t gemm_panel(const Dims& n, int64_t TB, int64_t D) {
-  return std::max({n.S, D, TB}) * 2 * lanes<T>();
+int64_t gemm_panel(int64_t TB, int64_t D) {
+  return panels_size<T>(TB, D);
 }
 
 template <typename T, int HC>
@@ -565,11 +611,15 @@ struct Rows {
     const int64_t TB = query_block<T>(n, nthreads), nq = (n.T + TB - 1) / TB, HH = n.H * n.H;
     parallel_rows(n.B * nq, nthreads, [&](int64_t begin, int64_t end, int64_t) {
       Scratch<T> w(n);
-      std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP), panel(gemm_panel<T>(n, TB, o.D));
+      std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP);
+      KeyPanels<T> kp(n, o.D, false);
+      int64_t packed = -1;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / nq, t0 = (item % nq) * TB, tb = std::min(TB, n.T - t0);
         w.enter(b, n, mk1, mk2);
-        o.scores(st.data(), b, t0, tb, TB * n.SP, n, panel.data());
+        if (b != packed) kp.pack(o, b, n);
+        packed = b;
+        kp.scores(o, st.data(), b, t0, tb, TB * n.SP, n);
         for (int64_t r = 0; r < tb; ++r) {
           const int64_t row = b * n.T + t0 + r;
           const Row<T> a{st.data() + r * n.SP, TB * n.SP, n.S}, p = w.buf(w.p, n);
@@ -581,8 +631,8 @@ struct Rows {
             copy_row<T>(p, p2, n.H);
         }
         for (int64_t h = 0; h < n.H; ++h)                      // out[b, h, t0:] = p2 v
-          gemm<T>(tb, o.D, n.S, T(1), pt.data() + h * TB * n.SP, n.SP, 1, o.v.at(b, h, 0), o.v.st, 1,
-                  out.at(b, h, t0), out.st, false, panel.data());
+          gemm<T>(tb, o.D, n.S, T(1), pt.data() + h * TB * n.SP, n.SP, 1, nullptr, 0, 0,
+                  out.at(b, h, t0), out.st, false, nullptr, kp.vd.data() + h * kp.per_d);
       }
     });
   }
@@ -599,17 +649,19 @@ struct Rows {
       Scratch<T> w(n);
       KeyGrads<T> kg(n, dmk1 != nullptr, dmk2 != nullptr);
       std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP), gt(n.H * TB * n.SP);
-      std::vector<T> panel(gemm_panel<T>(n, TB, D));
+      std::vector<T> panel(gemm_panel<T>(TB, D));
+      KeyPanels<T> kp(n, D, true);
       const int64_t hs = TB * n.SP;
       for (int64_t b = begin; b < end; ++b) {
         w.enter(b, n, mk1, mk2);
+        kp.pack(o, b, n);
         for (int64_t t0 = 0; t0 < n.T; t0 += TB) {
           const int64_t tb = std::min(TB, n.T - t0);
           const bool acc = t0 > 0;
-          o.scores(st.data(), b, t0, tb, hs, n, panel.data());
+          kp.scores(o, st.data(), b, t0, tb, hs, n);
           for (int64_t h = 0; h < n.H; ++h)                    // dp2 = g v^T
-            gemm<T>(tb, n.S, D, T(1), g.at(b, h, t0), g.st, 1, o.v.at(b, h, 0), 1, o.v.st,
-                    gt.data() + h * hs, n.SP, false, panel.data());
+            gemm<T>(tb, n.S, D, T(1), g.at(b, h, t0), g.st, 1, nullptr, 0, 0, gt.data() + h * hs,
+                    n.SP, false, nullptr, kp.vt.data() + h * kp.per_t);
           for (int64_t r = 0; r < tb; ++r) {
             const int64_t row = b * n.T + t0 + r;
             const Row<T> a{st.data() + r * n.SP, hs, n.S}, gr{gt.data() + r * n.SP, hs, n.S};
@@ -624,8 +676,9 @@ struct Rows {
             T* dkh = dk + (b * n.H + h) * n.S * D;
             gemm<T>(n.S, D, tb, T(1), pt.data() + h * hs, 1, n.SP, g.at(b, h, t0), g.st, 1, dvh, D,
                     acc, panel.data());                       // dv += p2^T g
-            gemm<T>(tb, D, n.S, o.scale, gt.data() + h * hs, n.SP, 1, o.k.at(b, h, 0), o.k.st, 1,
-                    dq + ((b * n.H + h) * n.T + t0) * D, D, false, panel.data());   // dq = ds k
+            gemm<T>(tb, D, n.S, o.scale, gt.data() + h * hs, n.SP, 1, nullptr, 0, 0,
+                    dq + ((b * n.H + h) * n.T + t0) * D, D, false, nullptr,
+                    kp.kd.data() + h * kp.per_d);             // dq = ds k
             gemm<T>(n.S, D, tb, o.scale, gt.data() + h * hs, 1, n.SP, o.q.at(b, h, t0), o.q.st, 1,
                     dkh, D, acc, panel.data());               // dk += ds^T q
           }
