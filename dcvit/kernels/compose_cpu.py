@@ -1,5 +1,7 @@
-"""C++ kernels for DCMHA on CPU: the fused compose -> mask -> softmax -> compose rows, and the
-one-pass builder of the per-token Compose matrices, each with its backward.
+"""C++ kernels for DCMHA on CPU, each with its backward: the whole attention core (q k^T ->
+rows -> p v per batch element and block of queries in each thread's cache-sized tiles, the
+products by the kernel's own register-tiled GEMM on q, k, v's strides); the rows alone (for
+the Python-tiled path); and the one-pass builder of the per-token Compose matrices.
 
 Plain C++ (no torch headers) compiled on first use with the system's ``g++`` (about 20 s,
 once per machine and source) into ``$DCVIT_KERNEL_CACHE`` (default ``~/.cache/dcvit``) and
@@ -37,6 +39,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -275,6 +278,18 @@ void parallel_rows(int64_t rows, int nthreads, F fn) {
   fn(0, rows / n, 0);
   for (auto& th : pool) th.join();
 #endif
+}
+
+// Run fn(next) on min(nthreads, items) threads, next() handing out the items [0, items) one at
+// a time, then -1: a thread slowed by a neighbour on a shared machine simply takes fewer.
+template <typename F>
+void parallel_items(int64_t items, int nthreads, F fn) {
+  std::atomic<int64_t> counter{0};
+  auto next = [&]() {
+    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+    return i < items ? i : int64_t{-1};
+  };
+  parallel_rows(items, nthreads, [&](int64_t, int64_t, int64_t) { fn(next); });
 }
 
 struct Mask {
@@ -609,12 +624,12 @@ struct Rows {
                                 const T* mk1, const T* mq2, const T* mk2, const Dims n,
                                 int nthreads) {
     const int64_t TB = query_block<T>(n, nthreads), nq = (n.T + TB - 1) / TB, HH = n.H * n.H;
-    parallel_rows(n.B * nq, nthreads, [&](int64_t begin, int64_t end, int64_t) {
+    parallel_items(n.B * nq, nthreads, [&](auto next) {
       Scratch<T> w(n);
       std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP);
       KeyPanels<T> kp(n, o.D, false);
       int64_t packed = -1;
-      for (int64_t item = begin; item < end; ++item) {
+      for (int64_t item; (item = next()) >= 0;) {
         const int64_t b = item / nq, t0 = (item % nq) * TB, tb = std::min(TB, n.T - t0);
         w.enter(b, n, mk1, mk2);
         if (b != packed) kp.pack(o, b, n);
@@ -638,21 +653,22 @@ struct Rows {
   }
 
   // Backward of `attention_forward`, one batch element per work item (so that the key-side
-  // gradients dk, dv and dmk* of b are summed by one thread, in place).
+  // gradients dk, dv and dmk* of b are summed by one thread, in place). Work items are handed
+  // out one at a time in both directions.
   static void attention_backward(const Operands<T>& o, const T* grad, const int64_t* gs, T* dq,
                                  T* dk, T* dv, Mask mask, const T* mq1, const T* mk1, const T* mq2,
                                  const T* mk2, T* dmq1, T* dmk1, T* dmq2, T* dmk2, const Dims n,
                                  int nthreads) {
     const int64_t TB = query_block<T>(n, 1), HH = n.H * n.H, D = o.D;
     const Strided<const T> g{grad, gs[0], gs[1], gs[2]};
-    parallel_rows(n.B, nthreads, [&](int64_t begin, int64_t end, int64_t) {
+    parallel_items(n.B, nthreads, [&](auto next) {
       Scratch<T> w(n);
       KeyGrads<T> kg(n, dmk1 != nullptr, dmk2 != nullptr);
       std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP), gt(n.H * TB * n.SP);
       std::vector<T> panel(gemm_panel<T>(TB, D));
       KeyPanels<T> kp(n, D, true);
       const int64_t hs = TB * n.SP;
-      for (int64_t b = begin; b < end; ++b) {
+      for (int64_t b; (b = next()) >= 0;) {
         w.enter(b, n, mk1, mk2);
         kp.pack(o, b, n);
         for (int64_t t0 = 0; t0 < n.T; t0 += TB) {
