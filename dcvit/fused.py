@@ -4,15 +4,17 @@ With each Compose stage merged into per-token H×H matrices (`dcvit.matrices`), 
 core ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v`` is one custom op,
 ``dcvit::composed_attention`` (`composed_attention`), with its own backward op: it saves
 only q, k, v and the matrices and recomputes the (B, H, T, S) maps in backward, and
-``torch.compile`` keeps it as one node. On CPU it runs over tiles of (batch, queries) of
-about 2 MiB (`TILE_ELEMENTS`), q k^T -> rows -> p v per tile, and the rows (all heads of one
-query together) are computed by:
+``torch.compile`` keeps it as one node. Its cores:
 
-* ``"cpp"``:    the C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64 (bf16 in fp32);
+* ``"cpp"``:    the C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64: the whole core,
+  products included, flash-style per batch element and block of queries on each thread;
 * ``"triton"``: forward rows in a Triton kernel (`dcvit.kernels.compose_triton`), CUDA;
-* ``"torch"``:  the same maths in PyTorch ops, over chunks of queries (any device);
+* ``"torch"``:  the same maths in PyTorch ops (any device).
 
-and two more cores skip the custom op:
+The last two (and "cpp" for bf16 inputs or when the weights themselves are returned) run
+over tiles of (batch, queries) of about 2 MiB (`TILE_ELEMENTS`): q k^T and p v by
+``baddbmm`` around the rows (all heads of one query together). Two more cores skip the
+custom op:
 
 * ``"compile"``: plain differentiable PyTorch written for inductor to fuse (no graph breaks);
 * ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
@@ -292,8 +294,8 @@ def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     if _fused_cpp(backend, q, k, v):
         out = _out_like(q, v)
         view = out.transpose(1, 2)                                          # (B, H, T, D)
-        if _call_fused("attention_forward", [q, k, v, view], [view], mask, [mq1, mk1, mq2, mk2],
-                       (B, H, T, S, q.shape[-1]), scale):
+        if _call_fused("attention_forward", [*_unit_rows(q, k, v), view], [view], mask,
+                       [mq1, mk1, mq2, mk2], (B, H, T, S, q.shape[-1]), scale):
             return out
     tiles = _tiles(B, H, T, S, q.device)
     out = q.new_empty(B, H, T, S) if v is None else v.new_empty(B, H, T, v.shape[-1])
@@ -324,11 +326,15 @@ def _fused_cpp(backend: str, q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
             and compose_cpu.available())
 
 
+def _unit_rows(*ts: Tensor) -> List[Tensor]:
+    """The tensors with unit stride along their last dim (copied only where it is not)."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
+
+
 def _call_fused(name: str, tensors: List[Tensor], outputs: List[Tensor], mask: Optional[Tensor],
                 mats: List[Optional[Tensor]], dims: Tuple[int, ...], scale: float) -> bool:
-    """Call ``dcvit_{name}`` on (B, H, N, D) tensors (their (b, h, n) strides are passed; each
-    must have unit last stride), then `outputs`; False when the kernel declines (too many heads)."""
-    assert all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in tensors)
+    """Call ``dcvit_{name}`` on (B, H, N, D) tensors with unit last stride (their (b, h, n)
+    strides are passed), then `outputs`; False when the kernel declines (too many heads)."""
     strides = (ctypes.c_int64 * (3 * len(tensors)))(*[x for t in tensors for x in t.stride()[:3]])
     ptr = compose_cpu.ptr
     args = [ptr(t) for t in tensors[:3]]
@@ -356,11 +362,10 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
     mask = _mask_to(mask, (B, H, T, S), cdt)
     mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
     if _fused_cpp(backend, q, k, v):
-        g = grad if grad.stride(-1) == 1 else grad.contiguous()
         grads = [q.new_empty(B, H, T, q.shape[-1]), q.new_empty(k.shape), q.new_empty(v.shape)]
         dmats = [None if m is None else q.new_empty(B, T if i % 2 == 0 else S, H, H)
                  for i, m in enumerate(mats)]
-        if _call_fused("attention_backward", [q, k, v, g], grads + dmats, mask, mats,
+        if _call_fused("attention_backward", _unit_rows(q, k, v, grad), grads + dmats, mask, mats,
                        (B, H, T, S, q.shape[-1]), scale):
             return [*grads, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
     tiles = _tiles(B, H, T, S, q.device)
