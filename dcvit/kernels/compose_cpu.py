@@ -307,13 +307,13 @@ Dims dims(int64_t B, int64_t H, int64_t T_, int64_t S) {
   return Dims{B, H, T_, S, nb, nb * lanes<T>()};
 }
 
-// One thread's buffers: three padded rows and the packed key-wise matrices of its current
+// One thread's buffers: two padded rows and the packed key-wise matrices of its current
 // batch element.
 template <typename T>
 struct Scratch {
-  std::vector<T> p, q, d, mk1, mk2;
+  std::vector<T> p, d, mk1, mk2;
   int64_t b = -1;
-  explicit Scratch(const Dims& n) : p(n.H * n.SP), q(n.H * n.SP), d(n.H * n.SP),
+  explicit Scratch(const Dims& n) : p(n.H * n.SP), d(n.H * n.SP),
                                     mk1(n.nb * n.H * n.H * lanes<T>()),
                                     mk2(n.nb * n.H * n.H * lanes<T>()) {}
   void enter(int64_t bb, const Dims& n, const T* k1, const T* k2) {
@@ -454,17 +454,12 @@ void gemm_panels(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t a
   }
 }
 
-// A given as A(i, k) = A[i ai + k ak] with ak == 1 (rows) or ai == 1 (columns); B packed
-// into `panels` (`panels_size(K, n)` elements) unless `packed` (from `pack_panels`) is given.
+// A given as A(i, k) = A[i ai + k ak] with ak == 1 (rows) or ai == 1 (columns); B as
+// `pack_panels` left it.
 template <typename T>
 void gemm(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t ai, int64_t ak,
-          const T* B, int64_t bk, int64_t bj, T* C, int64_t ldc, bool acc, T* panels,
-          const T* packed = nullptr) {
+          const T* packed, T* C, int64_t ldc, bool acc) {
   if (K < 1) return;                                  // never: K is D, S or a block of queries
-  if (packed == nullptr) {
-    pack_panels<T>(K, n, B, bk, bj, panels);
-    packed = panels;
-  }
   if (ak == 1)
     gemm_panels<T, true>(m, n, K, alpha, A, ai, packed, C, ldc, acc);
   else
@@ -492,11 +487,14 @@ template <typename T>
 struct KeyPanels {
   int64_t per_t, per_d;
   std::vector<T> kt, vt, kd, vd;
+  int64_t b = -1;
   KeyPanels(const Dims& n, int64_t D, bool backward)
       : per_t(panels_size<T>(D, n.S)), per_d(panels_size<T>(n.S, D)),
         kt(n.H * per_t), vt(backward ? n.H * per_t : 0), kd(backward ? n.H * per_d : 0),
         vd(n.H * per_d) {}
-  void pack(const Operands<T>& o, int64_t b, const Dims& n) {
+  void enter(const Operands<T>& o, int64_t bb, const Dims& n) {
+    if (bb == b) return;
+    b = bb;
     for (int64_t h = 0; h < n.H; ++h) {
       pack_panels<T>(o.D, n.S, o.k.at(b, h, 0), 1, o.k.st, kt.data() + h * per_t);
       pack_panels<T>(n.S, o.D, o.v.at(b, h, 0), o.v.st, 1, vd.data() + h * per_d);
@@ -504,32 +502,26 @@ struct KeyPanels {
       if (!kd.empty()) pack_panels<T>(n.S, o.D, o.k.at(b, h, 0), o.k.st, 1, kd.data() + h * per_d);
     }
   }
-  // tile[h] (tb, S) at head stride hs, row stride SP = scale q[b, h, t0:t0+tb] k[b, h]^T.
-  void scores(const Operands<T>& o, T* tile, int64_t b, int64_t t0, int64_t tb, int64_t hs,
+  // tile[h] (tb, S) at head stride hs, row stride SP = scale q[b, h, t0:t0+tb] k[b, h]^T for
+  // the entered batch element b.
+  void scores(const Operands<T>& o, T* tile, int64_t t0, int64_t tb, int64_t hs,
               const Dims& n) const {
     for (int64_t h = 0; h < n.H; ++h)
-      gemm<T>(tb, n.S, o.D, o.scale, o.q.at(b, h, t0), o.q.st, 1, nullptr, 0, 0, tile + h * hs,
-              n.SP, false, nullptr, kt.data() + h * per_t);
+      gemm<T>(tb, n.S, o.D, o.scale, o.q.at(b, h, t0), o.q.st, 1, kt.data() + h * per_t,
+              tile + h * hs, n.SP, false);
   }
 };
 
 // Queries per tile: all of a batch element's, unless the tile (H, TB, SP) would pass ~512 KiB
 // of float32 (so that a thread's tiles stay in its core's cache) or there are fewer batch
 // elements than threads.
-template <typename T>
-int64_t query_block(const Dims& n, int nthreads) {
+inline int64_t query_block(const Dims& n, int nthreads) {
   int64_t tb = n.T;
   if (n.B < nthreads) tb = (n.T * n.B + nthreads - 1) / nthreads;
   const int64_t budget = (int64_t{1} << 17) / (n.H * n.SP);
   if (tb > budget) tb = budget;
   tb = (tb + kMR - 1) / kMR * kMR;
   return std::max<int64_t>(kMR, std::min(tb, n.T));
-}
-
-// Panel scratch for the products packed per tile (B: a block of g or q rows, TB x D).
-template <typename T>
-int64_t gemm_panel(int64_t TB, int64_t D) {
-  return panels_size<T>(TB, D);
 }
 
 template <typename T, int HC>
@@ -623,18 +615,16 @@ struct Rows {
   static void attention_forward(const Operands<T>& o, const Strided<T> out, Mask mask, const T* mq1,
                                 const T* mk1, const T* mq2, const T* mk2, const Dims n,
                                 int nthreads) {
-    const int64_t TB = query_block<T>(n, nthreads), nq = (n.T + TB - 1) / TB, HH = n.H * n.H;
+    const int64_t TB = query_block(n, nthreads), nq = (n.T + TB - 1) / TB, HH = n.H * n.H;
     parallel_items(n.B * nq, nthreads, [&](auto next) {
       Scratch<T> w(n);
       std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP);
       KeyPanels<T> kp(n, o.D, false);
-      int64_t packed = -1;
       for (int64_t item; (item = next()) >= 0;) {
         const int64_t b = item / nq, t0 = (item % nq) * TB, tb = std::min(TB, n.T - t0);
         w.enter(b, n, mk1, mk2);
-        if (b != packed) kp.pack(o, b, n);
-        packed = b;
-        kp.scores(o, st.data(), b, t0, tb, TB * n.SP, n);
+        kp.enter(o, b, n);
+        kp.scores(o, st.data(), t0, tb, TB * n.SP, n);
         for (int64_t r = 0; r < tb; ++r) {
           const int64_t row = b * n.T + t0 + r;
           const Row<T> a{st.data() + r * n.SP, TB * n.SP, n.S}, p = w.buf(w.p, n);
@@ -646,8 +636,8 @@ struct Rows {
             copy_row<T>(p, p2, n.H);
         }
         for (int64_t h = 0; h < n.H; ++h)                      // out[b, h, t0:] = p2 v
-          gemm<T>(tb, o.D, n.S, T(1), pt.data() + h * TB * n.SP, n.SP, 1, nullptr, 0, 0,
-                  out.at(b, h, t0), out.st, false, nullptr, kp.vd.data() + h * kp.per_d);
+          gemm<T>(tb, o.D, n.S, T(1), pt.data() + h * TB * n.SP, n.SP, 1,
+                  kp.vd.data() + h * kp.per_d, out.at(b, h, t0), out.st, false);
       }
     });
   }
@@ -659,25 +649,25 @@ struct Rows {
                                  T* dk, T* dv, Mask mask, const T* mq1, const T* mk1, const T* mq2,
                                  const T* mk2, T* dmq1, T* dmk1, T* dmq2, T* dmk2, const Dims n,
                                  int nthreads) {
-    const int64_t TB = query_block<T>(n, 1), HH = n.H * n.H, D = o.D;
+    const int64_t TB = query_block(n, 1), HH = n.H * n.H, D = o.D;
     const Strided<const T> g{grad, gs[0], gs[1], gs[2]};
     parallel_items(n.B, nthreads, [&](auto next) {
       Scratch<T> w(n);
       KeyGrads<T> kg(n, dmk1 != nullptr, dmk2 != nullptr);
       std::vector<T> st(n.H * TB * n.SP), pt(n.H * TB * n.SP), gt(n.H * TB * n.SP);
-      std::vector<T> panel(gemm_panel<T>(TB, D));
+      std::vector<T> panel(panels_size<T>(TB, D));     // a block of g or q rows
       KeyPanels<T> kp(n, D, true);
       const int64_t hs = TB * n.SP;
       for (int64_t b; (b = next()) >= 0;) {
         w.enter(b, n, mk1, mk2);
-        kp.pack(o, b, n);
+        kp.enter(o, b, n);
         for (int64_t t0 = 0; t0 < n.T; t0 += TB) {
           const int64_t tb = std::min(TB, n.T - t0);
           const bool acc = t0 > 0;
-          kp.scores(o, st.data(), b, t0, tb, hs, n);
+          kp.scores(o, st.data(), t0, tb, hs, n);
           for (int64_t h = 0; h < n.H; ++h)                    // dp2 = g v^T
-            gemm<T>(tb, n.S, D, T(1), g.at(b, h, t0), g.st, 1, nullptr, 0, 0, gt.data() + h * hs,
-                    n.SP, false, nullptr, kp.vt.data() + h * kp.per_t);
+            gemm<T>(tb, n.S, D, T(1), g.at(b, h, t0), g.st, 1, kp.vt.data() + h * kp.per_t,
+                    gt.data() + h * hs, n.SP, false);
           for (int64_t r = 0; r < tb; ++r) {
             const int64_t row = b * n.T + t0 + r;
             const Row<T> a{st.data() + r * n.SP, hs, n.S}, gr{gt.data() + r * n.SP, hs, n.S};
@@ -690,13 +680,14 @@ struct Rows {
           for (int64_t h = 0; h < n.H; ++h) {                  // gt now holds ds = d(scores)
             T* dvh = dv + (b * n.H + h) * n.S * D;
             T* dkh = dk + (b * n.H + h) * n.S * D;
-            gemm<T>(n.S, D, tb, T(1), pt.data() + h * hs, 1, n.SP, g.at(b, h, t0), g.st, 1, dvh, D,
-                    acc, panel.data());                       // dv += p2^T g
-            gemm<T>(tb, D, n.S, o.scale, gt.data() + h * hs, n.SP, 1, nullptr, 0, 0,
-                    dq + ((b * n.H + h) * n.T + t0) * D, D, false, nullptr,
-                    kp.kd.data() + h * kp.per_d);             // dq = ds k
-            gemm<T>(n.S, D, tb, o.scale, gt.data() + h * hs, 1, n.SP, o.q.at(b, h, t0), o.q.st, 1,
-                    dkh, D, acc, panel.data());               // dk += ds^T q
+            pack_panels<T>(tb, D, g.at(b, h, t0), g.st, 1, panel.data());
+            gemm<T>(n.S, D, tb, T(1), pt.data() + h * hs, 1, n.SP, panel.data(), dvh, D,
+                    acc);                                     // dv += p2^T g
+            gemm<T>(tb, D, n.S, o.scale, gt.data() + h * hs, n.SP, 1, kp.kd.data() + h * kp.per_d,
+                    dq + ((b * n.H + h) * n.T + t0) * D, D, false);   // dq = ds k
+            pack_panels<T>(tb, D, o.q.at(b, h, t0), o.q.st, 1, panel.data());
+            gemm<T>(n.S, D, tb, o.scale, gt.data() + h * hs, 1, n.SP, panel.data(), dkh, D,
+                    acc);                                     // dk += ds^T q
           }
         }
         kg.flush(b, n, dmk1, dmk2);
