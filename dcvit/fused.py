@@ -24,7 +24,7 @@ custom op:
 """
 import contextlib
 import ctypes
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -294,22 +294,17 @@ def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     if _fused_cpp(backend, q, k, v):
         out = _out_like(q, v)
         view = out.transpose(1, 2)                                          # (B, H, T, D)
-        if _call_fused("attention_forward", [*_unit_rows(q, k, v), view], [view], mask,
+        if _call_fused("attention_forward", [*_unit_rows(q, k, v), view], mask,
                        [mq1, mk1, mq2, mk2], (B, H, T, S, q.shape[-1]), scale):
             return out
-    tiles = _tiles(B, H, T, S, q.device)
-    out = q.new_empty(B, H, T, S) if v is None else v.new_empty(B, H, T, v.shape[-1])
-    for bs, ts in tiles:
+    out = q.new_empty(B, H, T, S) if v is None else _out_like(q, v)
+    view = out if v is None else out.transpose(1, 2)                        # (B, H, T, S|D)
+    for bs, ts in _tiles(B, H, T, S, q.device):
         s0 = _scores(q[bs, :, ts], k[bs], scale)                             # (b, H, t, S)
         pre, post = (_tile(mq1, bs, ts), _tile(mk1, bs)), (_tile(mq2, bs, ts), _tile(mk2, bs))
         p2 = _rows_forward(backend, s0, None if mask is None else mask[bs, :, ts], pre, post)
-        if v is None:
-            out[bs, :, ts] = p2
-        elif ts == slice(0, T):
-            _bmm(p2.to(v.dtype), v[bs], out=out[bs])                          # (b, H, T, D) in place
-        else:
-            out[bs, :, ts] = _bmm(p2.to(v.dtype), v[bs])
-    return out if v is None else _out_like(q, v).copy_(out.transpose(1, 2))
+        view[bs, :, ts] = p2 if v is None else _bmm(p2.to(v.dtype), v[bs])
+    return out
 
 
 def _out_like(q: Tensor, v: Tensor) -> Tensor:
@@ -331,19 +326,17 @@ def _unit_rows(*ts: Tensor) -> List[Tensor]:
     return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
 
 
-def _call_fused(name: str, tensors: List[Tensor], outputs: List[Tensor], mask: Optional[Tensor],
-                mats: List[Optional[Tensor]], dims: Tuple[int, ...], scale: float) -> bool:
-    """Call ``dcvit_{name}`` on (B, H, N, D) tensors with unit last stride (their (b, h, n)
-    strides are passed), then `outputs`; False when the kernel declines (too many heads)."""
+def _call_fused(name: str, tensors: List[Tensor], mask: Optional[Tensor],
+                mats: List[Optional[Tensor]], dims: Tuple[int, ...], scale: float,
+                grads: Sequence[Tensor] = (), mat_grads: Sequence[Optional[Tensor]] = ()) -> bool:
+    """Call ``dcvit_{name}``: the four (B, H, N, D) tensors (q, k, v and the output or the
+    incoming gradient; unit last stride, their (b, h, n) strides passed after them), the
+    contiguous gradients of q, k, v, the mask, the matrices and their gradients. False when
+    the kernel declines (too many heads)."""
     strides = (ctypes.c_int64 * (3 * len(tensors)))(*[x for t in tensors for x in t.stride()[:3]])
     ptr = compose_cpu.ptr
-    args = [ptr(t) for t in tensors[:3]]
-    if name == "attention_forward":
-        args += [ptr(outputs[0]), strides]
-    else:
-        args += [ptr(tensors[3]), strides, *(ptr(t) for t in outputs[:3])]
-    args += [*_mask_args(mask), *(ptr(m) for m in mats), *(ptr(t) for t in outputs[3:])]
-    args += [ctypes.c_int64(d) for d in dims]
+    args = [*(ptr(t) for t in tensors), strides, *(ptr(t) for t in grads), *_mask_args(mask),
+            *(ptr(m) for m in mats), *(ptr(t) for t in mat_grads), *(ctypes.c_int64(d) for d in dims)]
     return compose_cpu.function(name, tensors[0].dtype)(
         *args, ctypes.c_double(scale), ctypes.c_int(torch.get_num_threads())) == 0
 
@@ -362,11 +355,11 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
     mask = _mask_to(mask, (B, H, T, S), cdt)
     mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
     if _fused_cpp(backend, q, k, v):
-        grads = [q.new_empty(B, H, T, q.shape[-1]), q.new_empty(k.shape), q.new_empty(v.shape)]
+        grads = [q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)]
         dmats = [None if m is None else q.new_empty(B, T if i % 2 == 0 else S, H, H)
                  for i, m in enumerate(mats)]
-        if _call_fused("attention_backward", _unit_rows(q, k, v, grad), grads + dmats, mask, mats,
-                       (B, H, T, S, q.shape[-1]), scale):
+        if _call_fused("attention_backward", _unit_rows(q, k, v, grad), mask, mats,
+                       (B, H, T, S, q.shape[-1]), scale, grads, dmats):
             return [*grads, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
     tiles = _tiles(B, H, T, S, q.device)
     whole = all(ts == slice(0, T) for _, ts in tiles)          # each batch element in one tile
