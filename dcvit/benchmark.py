@@ -18,27 +18,21 @@ Results go to stdout as a table and to ``--json`` (written atomically).
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
-import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .io import write_json
+from .timing import sync as _sync, time_pair
 
 __all__ = ["main", "run", "time_pair", "TARGETS"]
 
 # Targets of the performance issue: (figure key prefix, comparison, bound).
 TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.20)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _build(name: str, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
@@ -81,32 +75,6 @@ def _step_fn(model: torch.nn.Module, mode: str, dtype: torch.dtype, device: torc
         loss.backward()
         opt.step()
     return train_step
-
-
-def time_pair(step_a: Callable[[], None], step_b: Callable[[], None], device: torch.device,
-               warmup: int, steps: int) -> Dict[str, Any]:
-    """Time A and B alternately (AB, BA, AB, ...), after ``warmup`` untimed steps of each.
-
-    Returns median milliseconds (``dcvit_ms`` for A, ``vit_ms`` for B), the ratio of the
-    medians ``ratio`` = B / A (A's throughput relative to B's) and every step's time.
-    """
-    for _ in range(warmup):
-        step_a()
-        step_b()
-    _sync(device)
-    times: Dict[str, List[float]] = {"a": [], "b": []}
-    for i in range(steps):
-        order = (("a", step_a), ("b", step_b)) if i % 2 == 0 else (("b", step_b), ("a", step_a))
-        for key, fn in order:
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            times[key].append(time.perf_counter() - start)
-    med_a, med_b = statistics.median(times["a"]), statistics.median(times["b"])
-    pair = [b / a for a, b in zip(times["a"], times["b"])]
-    return {"dcvit_ms": med_a * 1e3, "vit_ms": med_b * 1e3, "ratio": med_b / med_a,
-            "ratio_pairwise_median": statistics.median(pair),
-            "dcvit_times_ms": [t * 1e3 for t in times["a"]], "vit_times_ms": [t * 1e3 for t in times["b"]]}
 
 
 def _memory_child(args: argparse.Namespace) -> None:

@@ -110,6 +110,24 @@ def test_throughput_pairs_are_timed_alternately():
     assert r["img_s"] > 0 and r["ratio"] == pytest.approx(r["img_s"] / r["baseline_img_s"])
 
 
+def test_throughput_records_the_steps_and_device_used(tmp_path, capsys, monkeypatch):
+    import dcvit.report.measure as measure
+    used = []
+    real = measure.measure_throughput
+
+    def spy(model, shape, batch, steps, warmup):
+        used.append((batch, steps, warmup))
+        return real(model, shape, batch, steps=steps, warmup=warmup)
+    monkeypatch.setattr(measure, "measure_throughput", spy)
+    out = tmp_path / "rep"
+    code, _, _ = run(["--models", "vit_tiny_patch16_224", "--model-kwargs", *TINY, "--throughput",
+                      "--throughput-batch", "2", "--throughput-steps", "3", "--out", str(out)], capsys)
+    assert code == 0 and used == [(2, 3, 2)]
+    meta = json.loads((out / "report.json").read_text())["throughput"]
+    assert (meta["batch_size"], meta["steps"], meta["warmup"], meta["device"]) == (2, 3, 2, "cpu")
+    assert "median of 3 forwards" in (out / "report.md").read_text()
+
+
 def test_baseline_drops_dcmha_options_only():
     spec = ModelSpec.of("dcvit_small", dict(rank=1, dcmha_layers=[0], img_size=32))
     assert spec.baseline() == ModelSpec.of("vit_small_patch16_224", dict(img_size=32))

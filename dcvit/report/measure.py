@@ -1,0 +1,148 @@
+"""The report's rows: each model counted (`dcvit.accounting`) against its baseline, with the
+accuracy of its results file and, on request, its measured throughput.
+
+A row is a flat dict (the columns of ``report.json``); each part of it is built by one small
+function below, so a new column is one more function and one more line in
+`param_efficiency_report`.
+"""
+import platform
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import timm
+import torch
+
+from ..accounting import Accounting, account, input_shape_of, module_table
+from .model_spec import ModelSpec, check_model_name
+from .quoted import QUOTED
+from .results import results_spec
+from .speed import measure_pair, measure_throughput
+
+__all__ = ["Report", "param_efficiency_report"]
+
+# Keys of an evaluation file copied into its row.
+RESULT_COLUMNS = ("top1", "top5", "num_samples", "dataset", "ema")
+
+
+@dataclass
+class Report:
+    rows: List[Dict[str, Any]]
+    quoted: List[Dict[str, Any]]
+    modules: Dict[str, List[Dict[str, Any]]] = field(default_factory=dict)  # spec -> table
+    meta: Dict[str, Any] = field(default_factory=dict)
+
+
+def _pct(value: int, base: int) -> float:
+    return round(100.0 * (value / base - 1.0), 3)
+
+
+def accounting_columns(spec: ModelSpec, acc: Accounting, base_spec: ModelSpec, base: Accounting) -> Dict[str, Any]:
+    """Parameters and MACs of ``spec`` and how much more they are than its baseline's."""
+    return {
+        "model": spec.name, "model_kwargs": spec.kwargs_dict, "family": spec.family,
+        "input_size": list(acc.input_shape[1:]), "params": acc.params, "macs": acc.macs,
+        "gmacs": round(acc.gmacs, 4), "baseline": base_spec.name,
+        "extra_params_pct": _pct(acc.params, base.params),
+        "extra_macs_pct": _pct(acc.macs, base.macs),
+        "skipped_ops": acc.skipped_ops,
+    }
+
+
+def throughput_columns(speed: Dict[str, float]) -> Dict[str, Any]:
+    """img/s, and against the baseline when the model was timed beside one."""
+    cols = {"throughput_img_s": round(speed["img_s"], 2)}
+    if "ratio" in speed:
+        cols["baseline_throughput_img_s"] = round(speed["baseline_img_s"], 2)
+        cols["throughput_ratio"] = round(speed["ratio"], 4)
+    return cols
+
+
+def result_columns(path: str, data: Dict[str, Any]) -> Dict[str, Any]:
+    """Accuracy (and what it was measured on) from one evaluation file."""
+    cols = {k: data[k] for k in RESULT_COLUMNS if data.get(k) is not None}
+    cols["results"] = path
+    return cols
+
+
+def report_meta(throughput: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """How the figures were measured: convention, versions and, if timed, the timing setup."""
+    meta: Dict[str, Any] = {
+        "convention": "fvcore: one multiply-add = one FLOP (MACs); matrix products and "
+                      "LayerNorm (5/element) counted, element-wise ops not (listed in skipped_ops)",
+        "batch_size": 1,
+        "versions": {"torch": torch.__version__, "timm": timm.__version__, "python": platform.python_version()},
+    }
+    if throughput is not None:
+        meta["throughput"] = throughput
+    return meta
+
+
+def throughput_meta(batch_size: int, steps: int, warmup: int, device: torch.device) -> Dict[str, Any]:
+    processor = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        processor = torch.cuda.get_device_name(device)
+    return {"batch_size": batch_size, "steps": steps, "warmup": warmup, "statistic": "median",
+            "method": "eval forwards; a model and its baseline timed alternately "
+                      "in one process (docs/spec.md §5), throughput_ratio = baseline time / "
+                      "model time; a model that is its own baseline timed alone",
+            "device": str(device), "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "processor": processor}
+
+
+def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple[str, Dict[str, Any]]] = (),
+                            base_kwargs: Optional[Dict[str, Any]] = None, throughput: bool = False,
+                            throughput_batch: int = 8, detail: bool = False,
+                            log: Callable[[str], Any] = print, *, throughput_steps: int = 5,
+                            throughput_warmup: int = 2, device: str = "cpu") -> Report:
+    """Account every model (and its baseline), attach accuracy and throughput.
+
+    One row per model in ``models`` without results, and one per results file (path, data).
+    Each distinct configuration is built and counted once (on CPU); with ``throughput``,
+    models are timed on ``device``, ``throughput_steps`` timed forwards of batch
+    ``throughput_batch`` after ``throughput_warmup`` untimed ones.
+    """
+    entries: List[Tuple[ModelSpec, Optional[str], Optional[Dict[str, Any]]]] = []
+    result_specs = [(results_spec(data, base_kwargs or {}), path, data) for path, data in results]
+    covered = {spec for spec, _, _ in result_specs}
+    entries += [(spec, None, None) for spec in models if spec not in covered]
+    entries += result_specs
+    for spec, _, _ in entries:
+        check_model_name(spec.name)
+
+    dev = torch.device(device)
+    cache: Dict[ModelSpec, Accounting] = {}
+    speed: Dict[Tuple[ModelSpec, ModelSpec], Dict[str, float]] = {}
+    tables: Dict[str, List[Dict[str, Any]]] = {}
+
+    def counted(spec: ModelSpec) -> Accounting:
+        if spec not in cache:
+            log(f"[report] counting {spec}")
+            cache[spec] = account(spec.build())
+        return cache[spec]
+
+    def timed(spec: ModelSpec, base_spec: ModelSpec) -> Dict[str, float]:
+        if (spec, base_spec) not in speed:
+            model, batch = spec.build().to(dev), throughput_batch
+            shape, how = input_shape_of(model), dict(steps=throughput_steps, warmup=throughput_warmup)
+            if base_spec == spec:
+                log(f"[report] timing {spec} (batch {batch}, {dev})")
+                speed[spec, base_spec] = {"img_s": measure_throughput(model, shape, batch, **how)}
+            else:
+                log(f"[report] timing {spec} and {base_spec} alternately (batch {batch}, {dev})")
+                speed[spec, base_spec] = measure_pair(model, base_spec.build().to(dev), shape, batch, **how)
+        return speed[spec, base_spec]
+
+    rows = []
+    for spec, path, data in entries:
+        base_spec = spec.baseline()
+        row = accounting_columns(spec, counted(spec), base_spec, counted(base_spec))
+        if throughput:
+            row.update(throughput_columns(timed(spec, base_spec)))
+        if data is not None:
+            row.update(result_columns(path, data))
+        if detail:
+            tables.setdefault(str(spec), module_table(counted(spec)))
+        rows.append(row)
+    timing = throughput_meta(throughput_batch, throughput_steps, throughput_warmup, dev) if throughput else None
+    return Report(rows=rows, quoted=[dict(q, kind="quoted") for q in QUOTED], modules=tables,
+                  meta=report_meta(timing))

@@ -1,0 +1,85 @@
+"""Which model is counted, with which options, against which baseline."""
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import timm
+from torch import nn
+
+from ..attention import DCMHA_OPTIONS
+from ..cli import parse_kwargs
+from ..models import DCVIT_MODELS
+
+__all__ = ["ReportError", "ModelSpec", "check_model_name", "parse_model_kwargs", "DEFAULT_MODELS"]
+
+SIZES = ("tiny", "small", "medium", "base")
+DEFAULT_MODELS = [f"{family}_{size}_patch16_224" for size in SIZES for family in ("vit", "dcvit")]
+
+_ALIASES = {name.split("_patch")[0]: name for name in DCVIT_MODELS}   # dcvit_small -> ..._224
+_MODEL_ONLY = set(DCMHA_OPTIONS) | {"dcmha_layers"}                   # not given to the baseline
+
+
+class ReportError(ValueError):
+    """A bad model name, option or results file; the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A timm model name and the keyword arguments it was built with."""
+
+    name: str
+    kwargs: Tuple[Tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, name: str, kwargs: Optional[Dict[str, Any]] = None) -> "ModelSpec":
+        def freeze(value: Any) -> Any:  # lists (dcmha_layers=[0, 1]) become hashable tuples
+            return tuple(freeze(v) for v in value) if isinstance(value, (list, tuple)) else value
+        return cls(name, tuple(sorted((k, freeze(v)) for k, v in (kwargs or {}).items())))
+
+    @property
+    def kwargs_dict(self) -> Dict[str, Any]:
+        return dict(self.kwargs)
+
+    @property
+    def family(self) -> str:
+        return "dcvit" if self.name.startswith("dcvit") else "vit" if self.name.startswith("vit") else "other"
+
+    def baseline(self) -> "ModelSpec":
+        """The plain ViT a DCViT is compared with; any other model is its own baseline."""
+        if self.family != "dcvit":
+            return self
+        canonical = _ALIASES.get(self.name, self.name)
+        kwargs = {k: v for k, v in self.kwargs if k not in _MODEL_ONLY}
+        return ModelSpec.of("vit" + canonical[len("dcvit"):], kwargs)
+
+    def build(self) -> nn.Module:
+        check_model_name(self.name)
+        try:
+            return timm.create_model(self.name, **self.kwargs_dict)
+        except (TypeError, ValueError, AssertionError) as e:
+            raise ReportError(f"cannot build {self.name} with model kwargs {self.kwargs_dict}: {e}") from e
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs)
+        return f"{self.name}({args})" if args else self.name
+
+
+def check_model_name(name: str) -> None:
+    """Raise `ReportError` listing close matches if timm does not know ``name``."""
+    if timm.is_model(name):
+        return
+    known = timm.list_models()
+    close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+    stem = re.split(r"[_\d]", name, maxsplit=1)[0] or name
+    close += [m for m in timm.list_models(f"*{stem}*") if m not in close][:max(0, 8 - len(close))]
+    hint = f"; close matches: {', '.join(close)}" if close else ""
+    raise ReportError(f"unknown model {name!r}{hint} (list them with timm.list_models('*{stem}*'))")
+
+
+def parse_model_kwargs(items: Sequence[str]) -> Dict[str, Any]:
+    """``["img_size=32", "class_token=false"]`` -> a dict of values (`dcvit.cli.parse_kwargs`)."""
+    try:
+        return parse_kwargs(items)
+    except ValueError as e:
+        raise ReportError(str(e)) from e
