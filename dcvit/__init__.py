@@ -7,6 +7,7 @@
 """
 from .attention import DCMHA, DCMHA_OPTIONS, Compose, DynamicWeights, dcmha_layer
 from .compose import compose
+from .conversion import convert
 from .maps import attention_maps
 from .models import DCVIT_MODELS, checkpoint_filter_fn
 from .weights import load_weights, read_state_dict, save_weights
@@ -14,7 +15,7 @@ from .weights import load_weights, read_state_dict, save_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "compose", "DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer",
+    "compose", "convert", "DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer",
     "DCVIT_MODELS", "checkpoint_filter_fn", "attention_maps",
     "save_weights", "load_weights", "read_state_dict",
 ]

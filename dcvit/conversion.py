@@ -1,0 +1,313 @@
+"""Turn the attention of a (pretrained) timm model into DCMHA, in place (docs/spec.md §1.3).
+
+    import dcvit, timm
+    model = timm.create_model("vit_small_patch16_224", pretrained=True)
+    dcvit.convert(model)                      # exact: same outputs until fine-tuning moves it
+
+Each supported attention module is replaced by a DCMHA layer that holds the *same* weight
+tensors under the same names, plus the DCMHA parameters (``dynamic_weights``,
+``pre_compose``, ``post_compose``). A state dict of the original model therefore loads into
+the converted one with only the DCMHA tensors missing.
+
+Supported attention modules (`SUPPORTED`):
+
+* ``timm.layers.Attention``: every model built on it (``VisionTransformer``: ViT, DeiT,
+  DeiT-III, FlexiViT, ViTs with registers, SigLIP towers, ...) -> `dcvit.DCMHA` itself, the
+  layer of the ``dcvit_*`` models (a converted ViT has a DCViT's state-dict keys).
+* ``timm.models.eva.EvaAttention`` (EVA, EVA-02, ViTs with rotary embeddings): q/k/v bias
+  layout, rotary embeddings, sub-LN kept as they are -> `DCEvaAttention`.
+* ``timm.models.swin_transformer.WindowAttention`` (Swin) -> `DCWindowAttention`.
+
+Where position terms and masks sit. DCMHA composes ``scale * q k^T`` (pre-compose), then
+adds the mask, softmaxes and composes the weights (post-compose) (docs/spec.md §1.3: masks
+after pre-compose). Rotary embeddings rotate q and k, so they are inside the scores that
+pre-compose mixes. Swin's relative position bias is added with the window mask *after*
+pre-compose, as one additive mask: a head's bias stays that head's own (it is not mixed into
+the other heads' scores) and the fast attention cores, which take an additive mask, run.
+(They run where that mask needs no gradient: in eval, under ``torch.no_grad()``, or with a
+frozen bias table; while the bias table trains, the reference core runs.)
+
+``init="identity"`` makes the converted model compute exactly the original function: the
+gates' weights (``dd_w``), the static matrices and the second factor of the low-rank
+projections (``qkw[:, :, R:]``, which gives ``qw2``/``kw2``) are zero; the first factor and
+``dw1`` keep the authors' initialisation, as LoRA keeps one factor random: the second factor
+and the gates get gradients at the first step, the rest from the next (with both factors zero
+neither would ever move). ``init="paper"`` keeps the authors'
+initialisation of `DynamicWeights` (`DynamicWeights.init_weights`): almost MHA.
+"""
+import logging
+from functools import partial
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention
+from timm.layers.pos_embed_sincos import apply_rot_embed_cat
+from timm.models.eva import EvaAttention
+from timm.models.swin_transformer import WindowAttention
+from torch import Tensor, nn
+
+from .attention import DCMHA, DCMHA_OPTIONS
+
+__all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCWindowAttention",
+           "converted_layers", "is_converted", "DCMHA_STATE_PARTS"]
+
+_logger = logging.getLogger(__name__)
+
+INITS = ("identity", "paper")
+
+# The attention types `convert` replaces, and the models that use them.
+SUPPORTED: Dict[str, str] = {
+    "timm.layers.Attention": "VisionTransformer: ViT, DeiT, DeiT-III, FlexiViT, ViT with registers, "
+                             "SigLIP towers, ...",
+    "timm.models.eva.EvaAttention": "EVA, EVA-02, ViTs with rotary embeddings (Eva)",
+    "timm.models.swin_transformer.WindowAttention": "Swin Transformer",
+}
+
+# Submodule names of the DCMHA parameters in every converted layer.
+DCMHA_STATE_PARTS = ("dynamic_weights", "pre_compose", "post_compose")
+
+
+class _ComposedCore:
+    """DCMHA's attention cores for attention layers with their own q/k/v layout.
+
+    The methods are DCMHA's own functions: ``_core(q, k, v, x, mask, is_causal)`` takes
+    q, k, v (B, H, N, D), the layer input x (B, N, C) from which the dynamic weights are
+    generated, and an additive mask, and returns (B, H, N, D) on the core `dcvit.fused`
+    selects (``self.attn_impl`` or ``dcvit.fused.attention_impl`` force one).
+    """
+    _slot = DCMHA._slot
+    _reference_core = DCMHA._reference_core
+    _core = DCMHA._core
+    _matrices = DCMHA._matrices
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.options.items())
+
+
+class DCEvaAttention(_ComposedCore, EvaAttention):
+    """timm's ``EvaAttention`` (rotary embeddings, q/v biases, sub-LN) with DCMHA's core."""
+
+    def forward(self, x: Tensor, rope: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False) -> Tensor:
+        B, N, C = x.shape
+        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        if self.qkv is not None:
+            if self.q_bias is None:
+                qkv = self.qkv(x)
+            else:
+                qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
+                qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+            q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q = self.q_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)    # (B, H, N, D)
+            k = self.k_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+            v = self.v_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            npt, half = self.num_prefix_tokens, getattr(self, "rotate_half", False)
+            q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+            k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+        out = self._core(q, k, v, x, attn_mask, is_causal)                           # (B, H, N, D)
+        out = out.transpose(1, 2).reshape(B, N, -1)
+        out = self.norm(out)
+        if gate is not None:
+            out = out * gate
+        return self.proj_drop(self.proj(out))
+
+
+class DCWindowAttention(_ComposedCore, WindowAttention):
+    """timm's Swin ``WindowAttention`` with DCMHA's core, per window.
+
+    The relative position bias (1, H, N, N) and the shifted-window mask (nW, N, N) are added
+    after pre-compose, as one additive mask.
+    """
+
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        B_, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        bias = self._get_rel_pos_bias()                                              # (1, H, N, N)
+        if mask is not None:
+            nw = mask.shape[0]
+            bias = bias + mask.unsqueeze(1).to(bias.dtype)                           # (nW, H, N, N)
+            bias = bias.unsqueeze(0).expand(B_ // nw, -1, -1, -1, -1).reshape(B_, self.num_heads, N, N)
+        out = self._core(q, k, v, x, bias, False)                                    # (B_, H, N, D)
+        out = out.transpose(1, 2).reshape(B_, N, -1)
+        return self.proj_drop(self.proj(out))
+
+
+def _norm_layer(*norms: nn.Module) -> Optional[Callable[..., nn.Module]]:
+    """A constructor like the one that built the first non-identity norm (for `DCMHA.as_mha`)."""
+    for m in norms:
+        if not isinstance(m, nn.Identity):
+            eps = getattr(m, "eps", None)
+            return type(m) if eps is None else partial(type(m), eps=eps)
+    return None
+
+
+def _device_dtype(module: nn.Module) -> Dict[str, Any]:
+    p = next(module.parameters())
+    return {"device": p.device, "dtype": p.dtype}
+
+
+def _from_attention(attn: Attention, options: Dict[str, Any], where: str) -> DCMHA:
+    dim = attn.qkv.in_features
+    variants = []
+    if getattr(attn, "gate", None) is not None:
+        variants.append("gated=True")
+    if attn.num_heads * attn.head_dim != dim:
+        variants.append(f"attn_head_dim={attn.head_dim} (heads x head_dim != dim={dim})")
+    if attn.proj.out_features != dim:
+        variants.append(f"dim_out={attn.proj.out_features}")
+    if variants:
+        raise ValueError(f"convert: {where} is a timm Attention with {', '.join(variants)}, which DCMHA "
+                         "does not implement; convert only the other layers with layers=[...]")
+    layer = _check_dims(lambda: DCMHA(
+        dim, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
+        qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
+        proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
+        norm_layer=_norm_layer(attn.q_norm, attn.norm), **options, **_device_dtype(attn)), where, dim, attn.num_heads)
+    for name in ("qkv", "q_norm", "k_norm", "norm", "proj", "attn_drop", "proj_drop"):
+        setattr(layer, name, getattr(attn, name))                # the very same modules and weights
+    return layer
+
+
+def _check_dims(build: Callable[[], DCMHA], where: str, dim: int, num_heads: int) -> DCMHA:
+    try:
+        return build()
+    except ValueError as e:
+        if dim % num_heads:
+            raise ValueError(f"convert: {where} has {num_heads} heads over {dim} input channels; "
+                             f"DCMHA needs the head count to divide the input width") from e
+        raise
+
+
+def _with_core(module: nn.Module, cls: type, dim: int, options: Dict[str, Any], where: str) -> nn.Module:
+    """A ``cls`` (a `_ComposedCore` subclass of ``type(module)``) holding module's submodules,
+    parameters and buffers plus the DCMHA parts of a `DCMHA` built with ``options``."""
+    template = _check_dims(lambda: DCMHA(dim, module.num_heads, **options, **_device_dtype(module)),
+                           where, dim, module.num_heads)
+    layer = cls.__new__(cls)
+    layer.__dict__ = dict(module.__dict__)
+    for store in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
+        layer.__dict__[store] = type(module.__dict__[store])(module.__dict__[store])
+    for name in DCMHA_STATE_PARTS:
+        setattr(layer, name, getattr(template, name))
+    for name in ("options", "pre_q_slot", "pre_k_slot", "post_q_slot", "post_k_slot", "attn_impl"):
+        setattr(layer, name, getattr(template, name))
+    return layer
+
+
+def _from_eva(attn: EvaAttention, options: Dict[str, Any], where: str) -> DCEvaAttention:
+    dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
+    return _with_core(attn, DCEvaAttention, dim, options, where)
+
+
+def _from_window(attn: WindowAttention, options: Dict[str, Any], where: str) -> DCWindowAttention:
+    return _with_core(attn, DCWindowAttention, attn.qkv.in_features, options, where)
+
+
+# Exact types only: a subclass may compute attention differently.
+_CONVERTERS: Dict[type, Callable[[Any, Dict[str, Any], str], nn.Module]] = {
+    Attention: _from_attention,
+    EvaAttention: _from_eva,
+    WindowAttention: _from_window,
+}
+
+
+def converted_layers(model: nn.Module) -> List[str]:
+    """Names of the DCMHA layers (dcvit's own or converted) in ``model``."""
+    return [name for name, m in model.named_modules() if isinstance(m, (DCMHA, _ComposedCore))]
+
+
+def is_converted(model: nn.Module) -> bool:
+    return bool(converted_layers(model))
+
+
+def _supported_text() -> str:
+    return "; ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
+
+
+def _attention_like(model: nn.Module) -> List[Tuple[str, str]]:
+    """(name, type) of modules whose class names say attention, other than supported ones."""
+    return [(name, type(m).__module__ + "." + type(m).__qualname__) for name, m in model.named_modules()
+            if type(m) not in _CONVERTERS and any(w in type(m).__name__ for w in ("Attention", "Attn"))]
+
+
+def _resolve(layers: Optional[Iterable[int]], count: int) -> List[int]:
+    if layers is None:
+        return list(range(count))
+    if isinstance(layers, int) or isinstance(layers, str):
+        raise TypeError(f"convert: layers={layers!r} must be a list of layer indices, e.g. layers=[0, 1]")
+    out = set()
+    for i in layers:
+        if not isinstance(i, int) or isinstance(i, bool) or not -count <= i < count:
+            raise ValueError(f"convert: layers entry {i!r} is not an attention-layer index in "
+                             f"[0, {count}) (the model has {count}; negative indices count from the end)")
+        out.add(i % count)
+    return sorted(out)
+
+
+@torch.no_grad()
+def _identity_init(layer: nn.Module) -> None:
+    dw = layer.dynamic_weights
+    if dw is not None:
+        if dw.qkw is not None:
+            dw.qkw[:, :, dw.rank:].zero_()                       # second low-rank factor: qw2, kw2
+        if dw.dd_w is not None:
+            dw.dd_w.zero_()                                      # gates
+    for stage in (layer.pre_compose, layer.post_compose):
+        if stage is not None and stage.static is not None:
+            stage.static.zero_()
+
+
+def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str = "identity",
+            **dcmha_options: Any) -> nn.Module:
+    """Replace the attention layers of ``model`` with DCMHA layers holding the same weights.
+
+    Args:
+        model: a timm model whose attention layers are of a `SUPPORTED` type.
+        layers: indices of the attention layers to convert, in the order the model runs them
+            (a ViT's or EVA's block index; Swin counts blocks across its stages); default all.
+        init: ``"identity"`` (the converted model computes the original function exactly) or
+            ``"paper"`` (the authors' initialisation of the dynamic weights).
+        **dcmha_options: the DCMHA options of docs/spec.md §1.3 (``rank``, ``query_wise``, ...).
+
+    Returns ``model`` (changed in place; the replaced modules are left as they were). The
+    layers keep ``model``'s device, dtype and train/eval mode.
+    """
+    unknown = sorted(set(dcmha_options) - set(DCMHA_OPTIONS))
+    if unknown:
+        raise TypeError(f"convert: unknown DCMHA option(s) {unknown}; valid options: {sorted(DCMHA_OPTIONS)}")
+    if init not in INITS:
+        raise ValueError(f"convert: init={init!r} is not one of {INITS}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: expected a torch.nn.Module (a timm model), got {type(model).__name__}")
+    done = converted_layers(model)
+    if done:
+        raise ValueError(f"convert: {type(model).__name__} already has {len(done)} DCMHA layer(s) "
+                         f"(e.g. {done[0]!r}); it was converted before or is a dcvit model. "
+                         "Convert the original model once, with every option at once")
+    found = [(name, m) for name, m in model.named_modules() if type(m) in _CONVERTERS]
+    if not found:
+        others = sorted({t for _, t in _attention_like(model)})
+        what = f"its attention modules are of unsupported type(s) {others}" if others else \
+            "it has no attention module of a supported type"
+        raise ValueError(f"convert: nothing to convert in {type(model).__name__}: {what}. "
+                         f"Supported: {_supported_text()}")
+    selected = _resolve(layers, len(found))
+    for i in selected:
+        name, module = found[i]
+        layer = _CONVERTERS[type(module)](module, dict(dcmha_options), f"attention layer {i} ({name!r})")
+        layer.train(module.training)
+        if init == "identity":
+            _identity_init(layer)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    skipped = [f"{n} ({t})" for n, t in _attention_like(model) if not isinstance(model.get_submodule(n), _ComposedCore)]
+    if skipped:
+        _logger.warning("convert: left %d module(s) of other attention types as they are: %s",
+                        len(skipped), ", ".join(skipped))
+    _logger.info("convert: %d of %d attention layers of %s now use DCMHA (init=%s, options=%s)",
+                 len(selected), len(found), type(model).__name__, init, dcmha_options)
+    return model

@@ -1,0 +1,228 @@
+"""dcvit.convert: a timm model's attention becomes DCMHA holding the same weights, exactly."""
+import copy
+import logging
+import pickle
+
+import pytest
+import timm
+import torch
+from torch import nn
+
+import dcvit
+from dcvit import DCMHA
+from dcvit.conversion import DCEvaAttention, DCWindowAttention, converted_layers
+from dcvit.fused import attention_impl
+
+# A small random instance of each supported family (timm's own builders, small widths).
+FAMILIES = {
+    "vit": ("vit_small_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4)),
+    "deit3_reg_qknorm": ("vit_small_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=2,
+                                                       num_heads=4, reg_tokens=2, qk_norm=True,
+                                                       init_values=0.1, no_embed_class=True)),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=32, patch_size=8, embed_dim=48,
+                                                               depth=2, num_heads=4)),
+    "flexivit": ("flexivit_small", dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=4)),
+    "siglip": ("vit_base_patch16_siglip_224", dict(img_size=32, patch_size=8, embed_dim=48, depth=2,
+                                                   num_heads=4)),
+    "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, embed_dim=48, depth=2, num_heads=4)),
+    "eva02_clip_unfused_qkv": ("eva02_base_patch16_clip_224", dict(img_size=32, patch_size=8, embed_dim=48,
+                                                                   depth=2, num_heads=4, ref_feat_shape=(4, 4))),
+    "swin": ("swin_tiny_patch4_window7_224", dict(img_size=64, patch_size=4, embed_dim=24, depths=(2, 2),
+                                                  num_heads=(2, 4), window_size=4)),
+}
+LAYER_TYPE = {"eva02": DCEvaAttention, "eva02_clip_unfused_qkv": DCEvaAttention, "swin": DCWindowAttention}
+CORES = ("auto", "torch", "reference")
+
+
+def build(family, **kwargs):
+    name, args = FAMILIES[family]
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False, num_classes=10, **{**args, **kwargs}).eval()
+    with torch.no_grad():  # weights far from timm's init (zero biases, tiny heads) so every term counts
+        for key, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+            elif "relative_position_bias_table" not in key:
+                p.add_(0.2 * torch.randn_like(p))
+        for m in model.modules():
+            if hasattr(m, "relative_position_bias_table"):
+                m.relative_position_bias_table.normal_(0, 1.0)
+    return model
+
+
+def sample(family, model, batch=2):
+    size = FAMILIES[family][1]["img_size"]
+    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(1))
+
+
+def rel_err(out, ref):
+    return ((out - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_identity_conversion_is_exact_on_every_core(family):
+    model = build(family)
+    x = sample(family, model)
+    with torch.no_grad():
+        ref = model(x)
+        feats = model.forward_features(x)
+    converted = dcvit.convert(copy.deepcopy(model))
+    layers = converted_layers(converted)
+    assert len(layers) == len([m for m in model.modules() if type(m).__name__ in
+                               ("Attention", "EvaAttention", "WindowAttention")])
+    assert all(isinstance(converted.get_submodule(n), LAYER_TYPE.get(family, DCMHA)) for n in layers)
+    for core in CORES:
+        with torch.no_grad(), attention_impl(core):
+            assert rel_err(converted(x), ref) <= 1e-6, core
+            assert rel_err(converted.forward_features(x), feats) <= 1e-6, core
+
+
+@pytest.mark.parametrize("family", ["vit", "eva02", "swin"])
+def test_identity_conversion_is_exact_in_float64(family):
+    model = build(family).double()
+    x = sample(family, model).double()
+    with torch.no_grad():
+        ref = model(x)
+    converted = dcvit.convert(copy.deepcopy(model))
+    for core in CORES:
+        with torch.no_grad(), attention_impl(core):
+            assert rel_err(converted(x), ref) <= 1e-12, core
+
+
+@pytest.mark.parametrize("family", ["vit", "eva02", "swin"])
+def test_identity_conversion_trains_like_the_original(family):
+    """Train mode, with autograd: same loss and same gradients for the original weights; the
+    DCMHA parameters that start the composition (second low-rank factor, gates) get gradients."""
+    model = build(family).train()
+    converted = dcvit.convert(copy.deepcopy(model)).train()
+    x = sample(family, model)
+    model(x).square().mean().backward()
+    converted(x).square().mean().backward()
+    grads = dict(model.named_parameters())
+    for name, p in converted.named_parameters():
+        if name in grads:
+            g = grads[name].grad
+            assert (p.grad - g).abs().max() <= 1e-5 * g.abs().max() + 1e-12, name
+    for name in converted_layers(converted):
+        dw = converted.get_submodule(name).dynamic_weights
+        assert dw.qkw.grad[:, :, dw.rank:].abs().sum() > 0
+        assert dw.dd_w.grad.abs().sum() > 0
+
+
+def test_identity_and_paper_initialisations():
+    model = build("vit")
+    ident = dcvit.convert(copy.deepcopy(model), init="identity").blocks[0].attn
+    paper = dcvit.convert(copy.deepcopy(model), init="paper").blocks[0].attn
+    r = ident.dynamic_weights.rank
+    assert torch.count_nonzero(ident.dynamic_weights.qkw[:, :, r:]) == 0
+    assert torch.count_nonzero(ident.dynamic_weights.dd_w) == 0
+    assert torch.count_nonzero(ident.dynamic_weights.qkw[:, :, :r]) > 0   # first factor: gradients flow
+    for dw in (paper.dynamic_weights,):
+        c, h, k = dw.dim, dw.num_heads, dw.hidden_dim
+        assert dw.dd_w.std().item() == pytest.approx((2.0 / (c + h)) ** 0.5 * 0.005, rel=0.3)
+        assert dw.qkw.std().item() == pytest.approx((1.0 / k) ** 0.5 * 2.0 / (h + r) * 0.01, rel=0.3)
+    x = sample("vit", model)
+    with torch.no_grad():
+        ref = model(x)
+        out = dcvit.convert(copy.deepcopy(model), init="paper")(x)
+    assert 0 < rel_err(out, ref) < 0.1         # almost MHA, not exactly
+
+
+def test_options_and_layers_reach_the_layers():
+    model = dcvit.convert(build("vit"), layers=[-1], rank=1, pre_compose=False, static_proj=True)
+    assert isinstance(model.blocks[0].attn, timm.layers.Attention)
+    attn = model.blocks[1].attn
+    assert isinstance(attn, DCMHA) and attn.pre_compose is None
+    assert attn.options["rank"] == 1 and attn.post_compose.static is not None
+    swin = dcvit.convert(build("swin"), layers=[1, 2])
+    assert converted_layers(swin) == ["layers.0.blocks.1.attn", "layers.1.blocks.0.attn"]
+
+
+def test_converted_vit_has_a_dcvit_state_dict():
+    vit = timm.create_model("vit_tiny_patch16_224", img_size=32)
+    dcv = timm.create_model("dcvit_tiny_patch16_224", img_size=32)
+    converted = dcvit.convert(vit)
+    assert {k: v.shape for k, v in converted.state_dict().items()} == \
+        {k: v.shape for k, v in dcv.state_dict().items()}
+
+
+@pytest.mark.parametrize("family", ["vit", "eva02", "swin"])
+def test_state_dict_and_pickle_round_trip(family):
+    original = build(family)
+    x = sample(family, original)
+    converted = dcvit.convert(copy.deepcopy(original), init="paper")
+    with torch.no_grad():
+        out = converted(x)
+    fresh = dcvit.convert(build(family), init="identity")
+    fresh.load_state_dict(converted.state_dict(), strict=True)
+    clone = pickle.loads(pickle.dumps(converted))
+    with torch.no_grad():
+        assert torch.equal(fresh(x), out)
+        assert torch.equal(clone(x), out)
+    # The original's state dict loads with exactly the DCMHA tensors missing.
+    result = fresh.load_state_dict(original.state_dict(), strict=False)
+    assert not result.unexpected_keys
+    assert result.missing_keys and all(any(f".{p}." in k for p in dcvit.conversion.DCMHA_STATE_PARTS)
+                                       for k in result.missing_keys)
+
+
+def test_converted_layers_keep_device_dtype_and_mode():
+    model = build("eva02").to(torch.float64).train()
+    dcvit.convert(model)
+    attn = model.blocks[0].attn
+    assert attn.training and attn.dynamic_weights.dw1.dtype == torch.float64
+
+
+def test_the_replaced_module_is_left_intact():
+    model = build("swin")
+    before = model.layers[0].blocks[0].attn
+    keys = set(before.state_dict())
+    dcvit.convert(model)
+    assert type(before).__name__ == "WindowAttention" and set(before.state_dict()) == keys
+
+
+def test_converting_twice_is_an_error():
+    model = dcvit.convert(build("vit"))
+    with pytest.raises(ValueError, match="already has 2 DCMHA layer"):
+        dcvit.convert(model)
+    with pytest.raises(ValueError, match="already"):
+        dcvit.convert(timm.create_model("dcvit_tiny", img_size=32))
+
+
+def test_nothing_to_convert_lists_what_is_supported():
+    with pytest.raises(ValueError, match="nothing to convert.*no attention module.*EvaAttention"):
+        dcvit.convert(nn.Sequential(nn.Linear(4, 4)))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2)
+
+    with pytest.raises(ValueError, match=r"unsupported type\(s\) \['torch.nn.modules.activation.MultiheadAttention'\]"
+                                         r".*Supported: timm.layers.Attention"):
+        dcvit.convert(Net())
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="unknown DCMHA option.*'rnak'"):
+        dcvit.convert(build("vit"), rnak=2)
+    with pytest.raises(ValueError, match="init='zeros'"):
+        dcvit.convert(build("vit"), init="zeros")
+    with pytest.raises(ValueError, match="layers entry 5 .*\\[0, 2\\)"):
+        dcvit.convert(build("vit"), layers=[5])
+    with pytest.raises(ValueError, match="compose nothing"):
+        dcvit.convert(build("vit"), pre_compose=False, post_compose=False)
+
+
+def test_unsupported_attention_variant_is_an_error():
+    model = nn.Sequential(timm.layers.Attention(16, num_heads=2, gated=True))
+    with pytest.raises(ValueError, match="gated=True"):
+        dcvit.convert(model)
+
+
+def test_other_attention_modules_are_left_with_a_warning(caplog):
+    model = build("siglip")  # its attention-pool head is cross-attention: not converted
+    with caplog.at_level(logging.WARNING, logger="dcvit.conversion"):
+        dcvit.convert(model)
+    assert "AttentionPoolLatent" in caplog.text
+    assert type(model.attn_pool).__name__ == "AttentionPoolLatent"
