@@ -278,20 +278,17 @@ def _dcmha_macs(attn: DCMHA, n: int) -> Dict[str, int]:
     """DCMHA's additions to one attention layer over n tokens (SPEC §1.2, formula per term)."""
     o, c, h = attn.options, attn.dim, attn.num_heads
     r, k = o["rank"], 4 * h
-    stages = [s for s, on in (("pre", o["pre_compose"]), ("post", o["post_compose"])) if on]
-    sides = [s for s, on in (("q", o["query_wise"]), ("k", o["key_wise"])) if on]
-    dynamic = o["dynamic_proj"] or o["dynamic_gate"]
-    slots = len(stages) * len(sides) if dynamic else 0
+    slots = attn.slots.count
     out = {"dynamic_weights": 0, "pre_compose": 0, "post_compose": 0}
     if o["dynamic_proj"]:
         out["dynamic_weights"] += n * c * slots * k          # x @ dw1 -> (N, G, K)
         out["dynamic_weights"] += n * slots * k * 2 * r * h  # hidden @ qkw -> (N, G, 2R, H)
     if o["dynamic_gate"]:
         out["dynamic_weights"] += n * c * slots * h          # x @ dd_w -> (N, G·H)
-    for stage in stages:
-        if not (slots or o["static_proj"]):
+    for stage, module in (("pre", attn.pre_compose), ("post", attn.post_compose)):
+        if module is None:
             continue
-        low_rank = len(sides) if o["dynamic_proj"] else 0
+        low_rank = sum(i is not None for i in attn.slots.stage(stage)) if o["dynamic_proj"] else 0
         out[stage + "_compose"] += low_rank * 2 * h * r * n * n  # (H->R, R->H) per (t, s)
         if o["static_proj"]:
             out[stage + "_compose"] += h * h * n * n             # sum_g W[g, h] a[g, t, s]

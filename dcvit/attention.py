@@ -14,7 +14,7 @@ modules. `dcvit.attention_maps` forces the reference core itself; around your ow
 ``with dcvit.fused.attention_impl("reference"): model(x)``.
 """
 import math
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from .compose import compose_unchecked
 from .fused import composed_attention, composed_attention_compile, select_impl
-from .matrices import rms_normalize, slot_matrices, slot_matrices_from_projections, stage_matrices
+from .matrices import (ComposeMatrices, ComposeSlots, rms_normalize, slot_matrices,
+                       slot_matrices_from_projections, stage_matrices)
 
 __all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
 
@@ -172,6 +173,8 @@ class DCMHA(nn.Module):
     applied after pre-compose, before softmax.
     """
 
+    slots: ComposeSlots   # (TorchScript reads the attribute's type from here)
+
     def __init__(
             self,
             dim: int,
@@ -225,20 +228,12 @@ class DCMHA(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
 
         # Slots of the dynamic weights: (stage, side) pairs that are composed dynamically.
-        dynamic = dynamic_proj or dynamic_gate
-        slots: List[str] = []
-        for stage, on in (("pre", pre_compose), ("post", post_compose)):
-            for side, side_on in (("q", query_wise), ("k", key_wise)):
-                if dynamic and on and side_on:
-                    slots.append(stage + "_" + side)
-        self.pre_q_slot = slots.index("pre_q") if "pre_q" in slots else -1
-        self.pre_k_slot = slots.index("pre_k") if "pre_k" in slots else -1
-        self.post_q_slot = slots.index("post_q") if "post_q" in slots else -1
-        self.post_k_slot = slots.index("post_k") if "post_k" in slots else -1
+        self.slots = ComposeSlots.from_options(pre_compose, post_compose, query_wise, key_wise,
+                                               dynamic_proj or dynamic_gate)
         self.dynamic_weights = DynamicWeights(
-            dim, num_heads, len(slots), rank, dynamic_proj, dynamic_gate, **dd) if slots else None
-        pre_on = pre_compose and (static_proj or self.pre_q_slot >= 0 or self.pre_k_slot >= 0)
-        post_on = post_compose and (static_proj or self.post_q_slot >= 0 or self.post_k_slot >= 0)
+            dim, num_heads, self.slots.count, rank, dynamic_proj, dynamic_gate, **dd) if self.slots.count else None
+        pre_on = pre_compose and (static_proj or self.slots.stage("pre") != (None, None))
+        post_on = post_compose and (static_proj or self.slots.stage("post") != (None, None))
         if not (pre_on or post_on):
             raise ValueError(f"DCMHA: options {self.options} compose nothing; enable at least one of "
                              "pre_compose/post_compose, one of query_wise/key_wise and one of "
@@ -250,7 +245,8 @@ class DCMHA(nn.Module):
         self.attn_impl: str = "auto"
 
     def _slot(self, w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
-              q_slot: int, k_slot: int) -> ComposeWeights:
+              q_slot: Optional[int], k_slot: Optional[int]) -> ComposeWeights:
+        """One stage's arguments of `compose` from the dynamic weights and its slots."""
         qw1: Optional[Tensor] = None
         qw2: Optional[Tensor] = None
         kw1: Optional[Tensor] = None
@@ -258,14 +254,14 @@ class DCMHA(nn.Module):
         qdd: Optional[Tensor] = None
         kdd: Optional[Tensor] = None
         if w1 is not None and w2 is not None:
-            if q_slot >= 0:
+            if q_slot is not None:
                 qw1, qw2 = w1[:, :, q_slot], w2[:, :, q_slot]                    # (B, N, R, H)
-            if k_slot >= 0:
+            if k_slot is not None:
                 kw1, kw2 = w1[:, :, k_slot], w2[:, :, k_slot]                    # (B, N, R, H)
         if dd is not None:
-            if q_slot >= 0:
+            if q_slot is not None:
                 qdd = dd[:, :, q_slot]                                           # (B, N, H)
-            if k_slot >= 0:
+            if k_slot is not None:
                 kdd = dd[:, :, k_slot]                                           # (B, N, H)
         return qw1, qw2, kw1, kw2, qdd, kdd
 
@@ -299,12 +295,12 @@ class DCMHA(nn.Module):
         N = q.shape[2]
         attn = (q * self.scale) @ k.transpose(-2, -1)                            # (B, H, N, N)
         if self.pre_compose is not None:
-            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.pre_q_slot, self.pre_k_slot)
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.slots.pre_q, self.slots.pre_k)
             attn = self.pre_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
         attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
         attn = attn.softmax(dim=-1)
         if self.post_compose is not None:
-            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.post_q_slot, self.post_k_slot)
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.slots.post_q, self.slots.post_k)
             attn = self.post_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
         attn = self.attn_drop(attn)
         return attn @ v                                                          # (B, H, N, D)
@@ -322,29 +318,29 @@ class DCMHA(nn.Module):
         mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)               # additive or None
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.autocast(q.device.type, enabled=False):
-            identity = [g for g in (self.pre_q_slot, self.post_q_slot) if g >= 0]
+            identity = self.slots.query_slots
             if w is not None:
-                slots = slot_matrices_from_projections(w, dd, identity, dtype)   # (B, N, G, H, H)
+                m = slot_matrices_from_projections(w, dd, identity, dtype)       # (B, N, G, H, H)
             else:
-                slots = slot_matrices(None, None, dd, identity, dtype)
-            pre = self._matrices(self.pre_compose, slots, self.pre_q_slot, self.pre_k_slot, dtype, q.device)
-            post = self._matrices(self.post_compose, slots, self.post_q_slot, self.post_k_slot, dtype, q.device)
+                m = slot_matrices(None, None, dd, identity, dtype)
+            mats = ComposeMatrices(*self._matrices(self.pre_compose, m, "pre", dtype, q.device),
+                                   *self._matrices(self.post_compose, m, "post", dtype, q.device))
         dropout = self.training and self.attn_drop.p > 0
         core_v = None if dropout else v
         if impl == "compile":
-            x = composed_attention_compile(q, k, core_v, mask, pre, post, self.scale)
+            x = composed_attention_compile(q, k, core_v, mask, mats, self.scale)
         else:
-            x = composed_attention(q, k, core_v, mask, pre, post, impl, self.scale)
+            x = composed_attention(q, k, core_v, mask, mats, impl, self.scale)
         if dropout:
             x = self.attn_drop(x.contiguous()) @ v                               # (B, H, N, D)
         return x
 
     @torch.jit.unused
-    def _matrices(self, stage: Optional[Compose], slots: Optional[Tensor], q_slot: int, k_slot: int,
+    def _matrices(self, stage: Optional[Compose], slots: Optional[Tensor], name: str,
                   dtype: torch.dtype, device: torch.device) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         if stage is None:
             return None, None
-        return stage_matrices(slots, q_slot, k_slot, stage.static, self.num_heads, dtype, device)
+        return stage_matrices(slots, *self.slots.stage(name), stage.static, self.num_heads, dtype, device)
 
     @torch.jit.unused
     def as_mha(self) -> Attention:

@@ -12,7 +12,7 @@ only q, k, v and the matrices and recomputes the (B, H, T, S) maps in backward, 
 * ``"torch"``:  the same maths in PyTorch ops (any device).
 
 The last two (and "cpp" for bf16 inputs or when the weights themselves are returned) run
-over tiles of (batch, queries) of about 2 MiB (`TILE_ELEMENTS`): q k^T and p v by
+over tiles of (batch, queries) of about 2 MiB (`TILE_ELEMENTS`, `_tiles`): q k^T and p v by
 ``baddbmm`` around the rows (all heads of one query together). Two more cores skip the
 custom op:
 
@@ -20,7 +20,9 @@ custom op:
 * ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
   TorchScript and FX tracing use it).
 
-`select_impl` picks one by device, dtype and context; `attention_impl` forces one.
+`select_impl` is the one place that picks a core (by device, dtype and context);
+`attention_impl` forces one. The per-slot Compose matrices travel as
+`dcvit.matrices.ComposeMatrices`.
 """
 import contextlib
 import ctypes
@@ -30,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .kernels import compose_cpu
-from .matrices import mix, mix_fusable
+from .matrices import ComposeMatrices, mix, mix_fusable
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "TILE_ELEMENTS", "composed_attention",
            "composed_attention_compile"]
@@ -66,64 +68,96 @@ def _is_fx_tracing() -> bool:
     return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
-def select_impl(layer_impl: str, x: Tensor, training: bool) -> str:
-    """The attention core to run for input ``x``.
+def select_impl(layer_impl: str, q: Tensor, training: bool = False) -> str:
+    """The attention core to run on queries ``q`` (B, H, N, D): the one place that picks it.
 
     FX or ``torch.jit.trace`` tracing (fvcore traces) -> ``reference`` whatever is forced,
     so that the trace records every op rather than one opaque fused call. Otherwise the
     forced core (context, then layer) or, for ``auto``: inside ``torch.compile`` -> ``cpp``
     on CPU when the kernel builds (a custom op the graph keeps), else ``compile``; CUDA ->
-    ``triton`` when Triton imports; CPU float32/float64/bfloat16 -> ``cpp`` when the kernel
-    builds; otherwise ``torch``.
+    ``triton`` when Triton imports; CPU -> ``cpp`` when the kernel builds; otherwise
+    ``torch``. A core that cannot take ``q`` becomes ``torch``: ``cpp`` for dtypes other
+    than float32/float64/bfloat16 or when the kernel did not build, ``triton`` (float32
+    rows) for float64. ``cpp`` on a non-CPU device is an error.
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
     if _is_fx_tracing() or torch.jit.is_tracing():
         return "reference"
-    if name != "auto":
-        return name
-    if torch.compiler.is_compiling():
-        return "cpp" if x.device.type == "cpu" and compose_cpu.available() else "compile"
-    if x.device.type == "cuda" and _triton_kernel() is not None:
-        return "triton"
-    if x.device.type == "cpu" and compose_cpu.available():
-        return "cpp"
-    return "torch"
+    cpu = q.device.type == "cpu"
+    if name == "auto":
+        if torch.compiler.is_compiling():
+            name = "cpp" if cpu and compose_cpu.available() else "compile"
+        elif q.device.type == "cuda" and _triton().available():
+            name = "triton"
+        else:
+            name = "cpp" if cpu and compose_cpu.available() else "torch"
+    if name == "cpp":
+        if not cpu:
+            raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
+                             "use 'triton' or 'torch'")
+        if q.dtype not in (torch.float32, torch.float64, torch.bfloat16) or not compose_cpu.available():
+            return "torch"
+    if name == "triton" and q.dtype == torch.float64:
+        return "torch"                                                       # float32 rows
+    return name
 
 
-def _triton_kernel():
+def _triton():
+    """`dcvit.kernels.compose_triton`, imported on first use (importing Triton takes about a
+    second, and only CUDA runs it)."""
     from .kernels import compose_triton
-    return compose_triton.load()
+    return compose_triton
+
+
+# ------------------------------------------------------------------------------ tiles
+
+Stage = Tuple[Optional[Tensor], Optional[Tensor]]    # one stage's (mq, mk)
+
+
+def _tiles(B: int, H: int, T: int, S: int, budget: Optional[int]) -> List[Tuple[slice, slice]]:
+    """(batch, query) ranges whose (b, H, t, S) maps hold about ``budget`` elements: whole
+    batch elements while they fit, else blocks of queries of one element; one tile when
+    ``budget`` is None or everything fits."""
+    if budget is None or B * H * T * S <= budget:
+        return [(slice(0, B), slice(0, T))]
+    if H * T * S <= budget:
+        c = budget // (H * T * S)
+        return [(slice(b, min(B, b + c)), slice(0, T)) for b in range(0, B, c)]
+    tq = max(1, budget // (H * S))
+    return [(slice(b, b + 1), slice(t, min(T, t + tq))) for b in range(B) for t in range(0, T, tq)]
+
+
+def _tile(m: Optional[Tensor], bs: slice, ts: Optional[slice] = None) -> Optional[Tensor]:
+    """A (B|1, T|1, ...) tensor's rows for batch range bs (and query range ts); broadcast
+    dims stay."""
+    if m is None:
+        return None
+    m = m if m.shape[0] == 1 else m[bs]
+    return m if ts is None or m.shape[1] == 1 else m[:, ts]
+
+
+def _stage_tile(stage: Stage, bs: slice, ts: slice) -> Stage:
+    return _tile(stage[0], bs, ts), _tile(stage[1], bs)
 
 
 # ------------------------------------------------------------------ rows, pure PyTorch
 
-Stage = Tuple[Optional[Tensor], Optional[Tensor]]
-
-
-def _chunks(t: int, b: int, h: int, s: int) -> List[Tuple[int, int]]:
-    """Query ranges whose (B, H, t, S) slice holds about `TILE_ELEMENTS` elements."""
-    step = max(1, TILE_ELEMENTS // max(1, b * h * s))
-    return [(i, min(t, i + step)) for i in range(0, t, step)]
-
-
-def _rows(m: Optional[Tensor], t0: int, t1: int) -> Optional[Tensor]:
-    return None if m is None else (m if m.shape[1] == 1 else m[:, t0:t1])
-
-
 def _rows_forward_torch(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
     B, H, T, S = s0.shape
     out = torch.empty_like(s0)
-    for t0, t1 in _chunks(T, B, H, S):
-        a = s0[:, :, t0:t1]                                                  # (B, H, t, S)
-        if pre[0] is not None:
-            a = mix(a, _rows(pre[0], t0, t1), pre[1])
+    for bs, ts in _tiles(B, H, T, S, TILE_ELEMENTS):                        # temporaries' size
+        a = s0[bs, :, ts]                                                    # (b, H, t, S)
+        mq1, mk1 = _stage_tile(pre, bs, ts)
+        mq2, mk2 = _stage_tile(post, bs, ts)
+        if mq1 is not None:
+            a = mix(a, mq1, mk1)
         if mask is not None:
-            a = a + mask[:, :, t0:t1]
+            a = a + mask[bs, :, ts]
         p = a.softmax(dim=-1)
-        if post[0] is not None:
-            p = mix(p, _rows(post[0], t0, t1), post[1])
-        out[:, :, t0:t1] = p
+        if mq2 is not None:
+            p = mix(p, mq2, mk2)
+        out[bs, :, ts] = p
     return out
 
 
@@ -142,52 +176,53 @@ def _rows_backward_torch(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: S
     """Recompute the rows from s0 and back-propagate dp2: (p2, ds0, dpre, dpost)."""
     B, H, T, S = s0.shape
     p2, ds0 = torch.empty_like(s0), torch.empty_like(s0)
-    grads: List[Optional[Tensor]] = [None, None, None, None]                 # dmq1, dmk1, dmq2, dmk2
-    dmq_rows: List[List[Tensor]] = [[], []]
-
-    def accumulate(i: int, dmq: Tensor, dmk: Optional[Tensor]) -> None:
-        dmq_rows[i // 2].append(dmq)
-        if dmk is not None:
-            grads[i + 1] = dmk if grads[i + 1] is None else grads[i + 1] + dmk
-
-    for t0, t1 in _chunks(T, B, H, S):
-        a = s0[:, :, t0:t1]                                                  # (B, H, t, S)
-        mq1, mq2 = _rows(pre[0], t0, t1), _rows(post[0], t0, t1)
-        s1 = mix(a, mq1, pre[1]) if mq1 is not None else a
+    grads = _MatrixGrads(B, T, S, H)
+    for bs, ts in _tiles(B, H, T, S, TILE_ELEMENTS):                        # temporaries' size
+        a = s0[bs, :, ts]                                                    # (b, H, t, S)
+        mq1, mk1 = _stage_tile(pre, bs, ts)
+        mq2, mk2 = _stage_tile(post, bs, ts)
+        s1 = mix(a, mq1, mk1) if mq1 is not None else a
         if mask is not None:
-            s1 = s1 + mask[:, :, t0:t1]
-        p = s1.softmax(dim=-1)                                               # (B, H, t, S)
-        d = dp2[:, :, t0:t1]
+            s1 = s1 + mask[bs, :, ts]
+        p = s1.softmax(dim=-1)                                               # (b, H, t, S)
+        d = dp2[bs, :, ts]
         if mq2 is not None:
-            p2[:, :, t0:t1] = mix(p, mq2, post[1])
-            dmq, dmk = _mix_grads(p, d, mq2, post[1])
-            accumulate(2, dmq, dmk)
-            d = mix(d, _t(mq2), None if post[1] is None else _t(post[1]))
+            p2[bs, :, ts] = mix(p, mq2, mk2)
+            grads.add(2, bs, ts, *_mix_grads(p, d, mq2, mk2))
+            d = mix(d, _t(mq2), None if mk2 is None else _t(mk2))
         else:
-            p2[:, :, t0:t1] = p
+            p2[bs, :, ts] = p
         d = p * (d - (p * d).sum(dim=-1, keepdim=True))                      # softmax backward
         if mq1 is not None:
-            dmq, dmk = _mix_grads(a, d, mq1, pre[1])
-            accumulate(0, dmq, dmk)
-            d = mix(d, _t(mq1), None if pre[1] is None else _t(pre[1]))
-        ds0[:, :, t0:t1] = d
-    dmq1 = torch.cat(dmq_rows[0], dim=1) if dmq_rows[0] else None
-    dmq2 = torch.cat(dmq_rows[1], dim=1) if dmq_rows[1] else None
-    return p2, ds0, (dmq1, grads[1]), (dmq2, grads[3])
+            grads.add(0, bs, ts, *_mix_grads(a, d, mq1, mk1))
+            d = mix(d, _t(mq1), None if mk1 is None else _t(mk1))
+        ds0[bs, :, ts] = d
+    g = grads.out
+    return p2, ds0, (g[0], g[1]), (g[2], g[3])
+
+
+class _MatrixGrads:
+    """The four matrices' gradients assembled over tiles: dmq* (B, T, H, H) per query row,
+    dmk* (B, S, H, H) summed over the tiles of queries; None until a tile adds one."""
+
+    def __init__(self, B: int, T: int, S: int, H: int) -> None:
+        self.shape = ((B, T, H, H), (B, S, H, H))
+        self.out: List[Optional[Tensor]] = [None] * 4
+
+    def add(self, i: int, bs: slice, ts: slice, dmq: Tensor, dmk: Optional[Tensor]) -> None:
+        """Tile (bs, ts)'s gradients of stage i // 2 (i = 0: pre, 2: post)."""
+        for j, d in ((i, dmq), (i + 1, dmk)):
+            if d is None:
+                continue
+            if self.out[j] is None:
+                self.out[j] = d.new_zeros(self.shape[j % 2])
+            if j % 2 == 0:
+                self.out[j][bs, ts] = d                                      # per query row
+            else:
+                self.out[j][bs] += d                                         # summed over query tiles
 
 
 # ------------------------------------------------------------------------ rows, C++
-
-def kernel_operands(s0: Tensor, stage: Stage, dtype: torch.dtype) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """A stage's matrices in the Triton row kernel's layouts: Mq (B, T, H, H), Mk (B, H, H, S)."""
-    B, H, T, S = s0.shape
-    mq, mk = stage
-    if mq is None:
-        return None, None
-    mq = mq.to(dtype).expand(B, T, H, H).contiguous()                        # (B, T, H, H)
-    mk = None if mk is None else mk.to(dtype).permute(0, 2, 3, 1).contiguous()  # (B, H, H, S)
-    return mq, mk
-
 
 def _mask_args(mask: Optional[Tensor]):
     if mask is None:
@@ -197,7 +232,7 @@ def _mask_args(mask: Optional[Tensor]):
 
 def _cpp_operands(s0: Tensor, stage: Stage) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """A stage's matrices for the C++ kernel: Mq (B, T, H, H), Mk (B, S, H, H), contiguous
-    (no copy when `_per_call` prepared them for the whole batch)."""
+    (no copy when `_matrices_for` prepared them for the whole batch)."""
     B, H, T, S = s0.shape
     mq, mk = stage
     if mq is None:
@@ -259,39 +294,24 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _tiles(B: int, H: int, T: int, S: int, device: torch.device) -> List[Tuple[slice, slice]]:
-    """(batch, query) ranges of the attention, flash-style: on CPU each tile's (b, H, t, S)
-    maps hold about 2 MiB of float32, so that q k^T, the row kernel and p v pass them through
-    cache instead of memory (and no large buffer is allocated per layer); one tile elsewhere."""
-    budget = TILE_ELEMENTS
-    if device.type != "cpu" or B * H * T * S <= budget:
-        return [(slice(0, B), slice(0, T))]
-    if H * T * S <= budget:
-        c = budget // (H * T * S)
-        return [(slice(b, min(B, b + c)), slice(0, T)) for b in range(0, B, c)]
-    tq = max(1, budget // (H * S))
-    return [(slice(b, b + 1), slice(t, min(T, t + tq))) for b in range(B) for t in range(0, T, tq)]
-
-
-def _tile(m: Optional[Tensor], bs: slice, ts: Optional[slice] = None) -> Optional[Tensor]:
-    """A (B|1, T|1, ...) tensor's rows for batch range bs (and query range ts); broadcast
-    dims stay."""
-    if m is None:
-        return None
-    m = m if m.shape[0] == 1 else m[bs]
-    return m if ts is None or m.shape[1] == 1 else m[:, ts]
+def _core_tiles(q: Tensor, S: int) -> List[Tuple[slice, slice]]:
+    """The driver's tiles, flash-style: on CPU each tile's (b, H, t, S) maps hold about 2 MiB
+    of float32, so that q k^T, the rows and p v pass them through cache instead of memory
+    (and no large buffer is allocated per layer); one tile elsewhere."""
+    B, H, T, _ = q.shape
+    return _tiles(B, H, T, S, TILE_ELEMENTS if q.device.type == "cpu" else None)
 
 
 def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
                        mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                       mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
+                       mk2: Optional[Tensor], impl: str, scale: float) -> Tensor:
     """compose2(softmax(compose1(scale q k^T) + mask)) @ v, tile by tile (no autograd), as
     (B, T, H, D) (so that merging the heads is free), or the weights (B, H, T, S) without v."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
-    mq1, mk1, mq2, mk2 = _per_call(backend, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
-    if _fused_cpp(backend, q, k, v):
+    mq1, mk1, mq2, mk2 = _matrices_for(impl, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
+    if _fused_cpp(impl, q, k, v):
         out = _out_like(q, v)
         view = out.transpose(1, 2)                                          # (B, H, T, D)
         if _call_fused("attention_forward", [*_unit_rows(q, k, v), view], mask,
@@ -299,10 +319,10 @@ def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
             return out
     out = q.new_empty(B, H, T, S) if v is None else _out_like(q, v)
     view = out if v is None else out.transpose(1, 2)                        # (B, H, T, S|D)
-    for bs, ts in _tiles(B, H, T, S, q.device):
+    for bs, ts in _core_tiles(q, S):
         s0 = _scores(q[bs, :, ts], k[bs], scale)                             # (b, H, t, S)
-        pre, post = (_tile(mq1, bs, ts), _tile(mk1, bs)), (_tile(mq2, bs, ts), _tile(mk2, bs))
-        p2 = _rows_forward(backend, s0, None if mask is None else mask[bs, :, ts], pre, post)
+        pre, post = _stage_tile((mq1, mk1), bs, ts), _stage_tile((mq2, mk2), bs, ts)
+        p2 = _rows_forward(impl, s0, None if mask is None else mask[bs, :, ts], pre, post)
         view[bs, :, ts] = p2 if v is None else _bmm(p2.to(v.dtype), v[bs])
     return out
 
@@ -313,10 +333,10 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return v.new_empty(B, T, H, v.shape[-1])
 
 
-def _fused_cpp(backend: str, q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
+def _fused_cpp(impl: str, q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
     """Whether the C++ kernel runs the whole core (products included): float32/float64 CPU
     operands of one dtype, with values (the kernel's own GEMMs read any strides)."""
-    return (backend == "cpp" and v is not None and q.dtype in (torch.float32, torch.float64)
+    return (impl == "cpp" and v is not None and q.dtype in (torch.float32, torch.float64)
             and k.dtype == q.dtype and v.dtype == q.dtype and v.shape[-1] == q.shape[-1]
             and compose_cpu.available())
 
@@ -343,7 +363,7 @@ def _call_fused(name: str, tensors: List[Tensor], mask: Optional[Tensor],
 
 def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
                         mask: Optional[Tensor], mq1: Optional[Tensor], mk1: Optional[Tensor],
-                        mq2: Optional[Tensor], mk2: Optional[Tensor], backend: str,
+                        mq2: Optional[Tensor], mk2: Optional[Tensor], impl: str,
                         scale: float) -> List[Optional[Tensor]]:
     """Gradients of `_attention_forward` for q, k, v, mq1, mk1, mq2, mk2: the maps are
     recomputed tile by tile, nothing was saved but the inputs."""
@@ -353,38 +373,30 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), cdt)
-    mats = _per_call(backend, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
-    if _fused_cpp(backend, q, k, v):
+    mats = _matrices_for(impl, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
+    if _fused_cpp(impl, q, k, v):
         grads = [q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)]
         dmats = [None if m is None else q.new_empty(B, T if i % 2 == 0 else S, H, H)
                  for i, m in enumerate(mats)]
         if _call_fused("attention_backward", _unit_rows(q, k, v, grad), mask, mats,
                        (B, H, T, S, q.shape[-1]), scale, grads, dmats):
             return [*grads, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
-    tiles = _tiles(B, H, T, S, q.device)
+    tiles = _core_tiles(q, S)
     whole = all(ts == slice(0, T) for _, ts in tiles)          # each batch element in one tile
     fmt = torch.contiguous_format                               # GEMMs write the grads in place
     new = torch.empty_like if whole else torch.zeros_like
     dq, dk = torch.empty_like(q, memory_format=fmt), new(k, memory_format=fmt)
     dv = None if v is None else new(v, memory_format=fmt)
-    dmats: List[Optional[Tensor]] = [None] * 4                  # dmq1 (B, T, H, H), dmk1 (B, S, H, H), ...
+    dmats = _MatrixGrads(B, T, S, H)
     for bs, ts in tiles:
         qt, g = q[bs, :, ts], grad[bs, :, ts]
         s0 = _scores(qt, k[bs], scale)                                       # (b, H, t, S)
         dp2 = g.to(cdt).contiguous() if v is None else _bmm(g, v[bs].transpose(-2, -1)).to(cdt)
-        pre = (_tile(mats[0], bs, ts), _tile(mats[1], bs))
-        post = (_tile(mats[2], bs, ts), _tile(mats[3], bs))
-        p2, ds0, dpre, dpost = _rows_backward(backend, s0, None if mask is None else mask[bs, :, ts],
+        pre, post = _stage_tile(mats[:2], bs, ts), _stage_tile(mats[2:], bs, ts)
+        p2, ds0, dpre, dpost = _rows_backward(impl, s0, None if mask is None else mask[bs, :, ts],
                                               pre, post, dp2)
-        for i, d in enumerate((*dpre, *dpost)):
-            if d is None:
-                continue
-            if dmats[i] is None:
-                dmats[i] = d.new_zeros(B, T if i % 2 == 0 else S, H, H)
-            if i % 2 == 0:
-                dmats[i][bs, ts] = d                                          # per query row
-            else:
-                dmats[i][bs] += d                                             # summed over query tiles
+        dmats.add(0, bs, ts, *dpre)
+        dmats.add(2, bs, ts, *dpost)
         ds0 = ds0.to(q.dtype)
         if whole:                                                             # in place
             if dv is not None:
@@ -396,7 +408,7 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
             dv[bs] += _bmm(p2.to(v.dtype).transpose(-2, -1), g).to(dv.dtype)  # summed over query tiles
         dq[bs, :, ts] = _bmm(ds0, k[bs], scale)
         dk[bs] += _bmm(ds0.transpose(-2, -1), qt, scale)
-    return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
+    return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip(dmats.out, (mq1, mk1, mq2, mk2)))]
 
 
 # The core as torch.library custom ops: one opaque op in eager mode and inside torch.compile
@@ -406,12 +418,12 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
 @torch.library.custom_op("dcvit::composed_attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
                   mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                  mk2: Optional[Tensor], backend: str, scale: float) -> Tensor:
-    return _attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale)
+                  mk2: Optional[Tensor], impl: str, scale: float) -> Tensor:
+    return _attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale)
 
 
 @_attention_op.register_fake
-def _(q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale):
+def _(q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale):
     B, H, T, _ = q.shape
     return q.new_empty(B, H, T, k.shape[2]) if v is None else _out_like(q, v)
 
@@ -419,28 +431,28 @@ def _(q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale):
 @torch.library.custom_op("dcvit::composed_attention_backward", mutates_args=())
 def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
                            mask: Optional[Tensor], mq1: Optional[Tensor], mk1: Optional[Tensor],
-                           mq2: Optional[Tensor], mk2: Optional[Tensor], backend: str,
+                           mq2: Optional[Tensor], mk2: Optional[Tensor], impl: str,
                            scale: float) -> List[Tensor]:
-    grads = _attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale)
+    grads = _attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale)
     return [q.new_empty(0) if g is None else g for g in grads]
 
 
 @_attention_backward_op.register_fake
-def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale):
+def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale):
     fmt = torch.contiguous_format                                   # as the real op's
     return [q.new_empty(0) if t is None else torch.empty_like(t, memory_format=fmt)
             for t in (q, k, v, mq1, mk1, mq2, mk2)]
 
 
 def _attention_setup(ctx, inputs, output) -> None:
-    q, k, v, mask, mq1, mk1, mq2, mk2, backend, scale = inputs
+    q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale = inputs
     ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2)
-    ctx.backend, ctx.scale = backend, scale
+    ctx.impl, ctx.scale = impl, scale
 
 
 def _attention_grad(ctx, grad: Tensor):
     q, k, v, mask, mq1, mk1, mq2, mk2 = ctx.saved_tensors
-    grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, ctx.backend, ctx.scale)
+    grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, ctx.impl, ctx.scale)
     dq, dk, dv, d1, d2, d3, d4 = [None if t is None else g for g, t in zip(grads, (q, k, v, mq1, mk1, mq2, mk2))]
     return dq, dk, dv, None, d1, d2, d3, d4, None, None
 
@@ -448,30 +460,29 @@ def _attention_grad(ctx, grad: Tensor):
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 
 
-def _per_call(backend: str, btH: Tuple[int, int, int], dtype: torch.dtype,
+def _matrices_for(impl: str, btH: Tuple[int, int, int], dtype: torch.dtype,
               mats: Tuple[Optional[Tensor], ...]) -> List[Optional[Tensor]]:
     """The four matrices in the compute dtype; for the C++ kernel also expanded and
     contiguous once, so that every tile is a contiguous slice."""
     out = [_cast(m, dtype) for m in mats]
-    if backend == "cpp":
+    if impl == "cpp":
         B, T, H = btH
         out = [None if m is None else (m.expand(B, T, H, H) if i % 2 == 0 else m).contiguous()
                for i, m in enumerate(out)]
     return out
 
 
-def _rows_forward(backend: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
-    if backend == "cpp":
+def _rows_forward(impl: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
+    if impl == "cpp":
         return _rows_forward_cpp(s0, mask, pre, post)
-    if backend == "triton":
-        from .kernels import compose_triton
-        return compose_triton.rows_forward(s0, mask, pre, post)
+    if impl == "triton":
+        return _triton().rows_forward(s0, mask, pre, post)
     return _rows_forward_torch(s0, mask, pre, post)
 
 
-def _rows_backward(backend: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
+def _rows_backward(impl: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
                    dp2: Tensor) -> Tuple[Tensor, Tensor, Stage, Stage]:
-    if backend == "cpp":
+    if impl == "cpp":
         return _rows_backward_cpp(s0, mask, pre, post, dp2)
     return _rows_backward_torch(s0, mask, pre, post, dp2)
 
@@ -519,37 +530,34 @@ def _mask_to(mask: Optional[Tensor], shape: Tuple[int, int, int, int], dtype: to
     return m.expand(shape)
 
 
+_CORE_IMPLS = ("cpp", "triton", "torch")   # the cores that run through the custom op
+
+
 def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
-                       pre: Stage, post: Stage, backend: str, scale: float = 1.0) -> Tensor:
+                       mats: ComposeMatrices, impl: str, scale: float = 1.0) -> Tensor:
     """The DCMHA attention core with per-token compose matrices (see module docstring).
 
     q, k, v: (B, H, N, D), any strides; scale: multiplies q k^T (folded into the GEMM);
-    mask: additive, broadcast to (B, H, T, S), or
-    None; pre/post: ``(mq, mk)`` from `compose_matrices`, or ``(None, None)`` for an absent
-    stage; backend: ``"cpp"``, ``"triton"`` or ``"torch"``. Returns (B, H, T, D) (a view of
-    a (B, T, H, D) tensor, so that merging the heads costs no copy), or the composed weights
-    (B, H, T, S) when ``v`` is None.
+    mask: additive, broadcast to (B, H, T, S), or None; mats: `ComposeMatrices` (both
+    matrices of an absent stage None); impl: ``"cpp"``, ``"triton"`` or ``"torch"``, as
+    `select_impl` chose it for q. Returns (B, H, T, D) (a view of a (B, T, H, D) tensor, so
+    that merging the heads costs no copy), or the composed weights (B, H, T, S) when ``v``
+    is None.
     """
-    if backend == "cpp" and q.dtype not in (torch.float32, torch.float64, torch.bfloat16):
-        backend = "torch"
-    if backend == "triton" and q.dtype == torch.float64:
-        backend = "torch"                                                    # kernel is float32
-    if backend == "cpp" and q.device.type != "cpu":
-        raise ValueError(f"the 'cpp' attention core runs on CPU tensors, got {q.device}; "
-                         "use 'triton' or 'torch'")
-    out = _attention_op(q, k, v, mask, pre[0], pre[1], post[0], post[1], backend, float(scale))
+    if impl not in _CORE_IMPLS:
+        raise ValueError(f"composed_attention runs the cores {_CORE_IMPLS}, got {impl!r}")
+    out = _attention_op(q, k, v, mask, *mats, impl, float(scale))
     return out if v is None else out.transpose(1, 2)
 
 
 def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
-                               pre: Stage, post: Stage, scale: float = 1.0) -> Tensor:
+                               mats: ComposeMatrices, scale: float = 1.0) -> Tensor:
     """Plain differentiable form of `composed_attention` for ``torch.compile`` to fuse."""
     a = (q * scale) @ k.transpose(-2, -1)                                    # (B, H, T, S)
-    if pre[0] is not None:
-        a = mix_fusable(a, pre[0].to(a.dtype), None if pre[1] is None else pre[1].to(a.dtype))
-    if mask is not None:
-        a = a + mask
-    a = a.softmax(dim=-1)
-    if post[0] is not None:
-        a = mix_fusable(a, post[0].to(a.dtype), None if post[1] is None else post[1].to(a.dtype))
+    for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
+        if mq is not None:
+            a = mix_fusable(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
+        if softmax:
+            a = a if mask is None else a + mask
+            a = a.softmax(dim=-1)
     return a if v is None else a.to(v.dtype) @ v

@@ -7,56 +7,75 @@ For query t and key s a stage is one linear map of the heads::
     Mk[b,s] =         kw1[b,s]^T kw2[b,s] + diag(kdd[b,s])      # (H, H)
 
 so the low-rank terms, gates, identity and static matrix of a side merge into one small
-matrix (`compose_matrices`). A layer builds all its slots at once from the raw dynamic
-projections (`slot_matrices_from_projections`; on CPU one C++ pass, the custom op
+matrix. A (stage, side) pair of Compose is a *slot*: `ComposeSlots` says, once per layer,
+where each slot's dynamic weights live, and `ComposeMatrices` carries the four matrices to
+the attention core. A layer builds all its dynamic slots at once from the raw projections
+(`slot_matrices_from_projections`; on CPU one C++ pass, the custom op
 ``dcvit::slot_matrices``) and takes each stage's pair with `stage_matrices`; `mix` and
 `mix_fusable` apply a pair to a (B, H, T, S) map. `dcvit.fused` runs the attention core on them.
 """
 import ctypes
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .kernels import compose_cpu
 
-__all__ = ["compose_matrices", "slot_matrices", "slot_matrices_from_projections", "stage_matrices",
+__all__ = ["ComposeSlots", "ComposeMatrices", "slot_matrices", "slot_matrices_from_projections", "stage_matrices",
            "rms_normalize", "RMS_EPS", "mix", "mix_fusable"]
+
+
+class ComposeSlots(NamedTuple):
+    """Compose's (stage, side) slots: for each, its index on `DynamicWeights`' slot axis, or
+    None when that stage and side is not composed with dynamic weights.
+
+    Built once per layer from the DCMHA options (`from_options`); the layer, the matrix
+    builder and the MAC count all read it.
+    """
+    pre_q: Optional[int]
+    pre_k: Optional[int]
+    post_q: Optional[int]
+    post_k: Optional[int]
+
+    @staticmethod
+    def from_options(pre_compose: bool, post_compose: bool, query_wise: bool, key_wise: bool,
+                     dynamic: bool) -> "ComposeSlots":
+        """The dynamic slots in the order pre-query, pre-key, post-query, post-key."""
+        on = [dynamic and stage and side for stage in (pre_compose, post_compose)
+              for side in (query_wise, key_wise)]
+        index = [sum(on[:i]) if on[i] else None for i in range(4)]
+        return ComposeSlots(*index)
+
+    @property
+    def count(self) -> int:
+        """The number of dynamic slots (G of `DynamicWeights`)."""
+        return sum(i is not None for i in self)
+
+    def stage(self, name: str) -> Tuple[Optional[int], Optional[int]]:
+        """The (query, key) slots of stage ``"pre"`` or ``"post"``."""
+        return (self.pre_q, self.pre_k) if name == "pre" else (self.post_q, self.post_k)
+
+    @property
+    def query_slots(self) -> List[int]:
+        """The query-side slots: their matrices carry the identity (the skip connection)."""
+        return [i for i in (self.pre_q, self.post_q) if i is not None]
+
+
+class ComposeMatrices(NamedTuple):
+    """One Compose matrix per slot, as the attention core takes them: ``pre_q``/``post_q``
+    (B|1, T|1, H, H) with the identity, static and query-wise terms, ``pre_k``/``post_k``
+    (B, S, H, H) with the key-wise terms or None; both of a stage None when it is absent."""
+    pre_q: Optional[Tensor]
+    pre_k: Optional[Tensor]
+    post_q: Optional[Tensor]
+    post_k: Optional[Tensor]
 
 
 def _outer_sum(w1: Tensor, w2: Tensor) -> Tensor:
     """``sum_r w1[..., r, g] w2[..., r, h]`` (..., H, H): broadcast products, since a batched
     matmul of thousands of (H, R) @ (R, H) blocks is slow on CPU."""
     return (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)
-
-
-def compose_matrices(num_heads: int,
-                     qw1: Optional[Tensor], qw2: Optional[Tensor],
-                     kw1: Optional[Tensor], kw2: Optional[Tensor],
-                     qdd: Optional[Tensor], kdd: Optional[Tensor],
-                     static: Optional[Tensor], dtype: torch.dtype,
-                     device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """Merge one Compose stage's arguments into per-token H×H matrices, in ``dtype``.
-
-    Returns ``mq`` (B, T, H, H), or (1, 1, H, H) without query-wise terms, holding the
-    identity, ``static`` and the query-wise terms; and ``mk`` (B, S, H, H) with the key-wise
-    terms, or None. Differentiable (autograd flows back to the dynamic weights).
-    """
-    mq = torch.eye(num_heads, dtype=dtype, device=device)                   # (H, H)
-    if static is not None:
-        mq = mq + static.to(dtype)
-    mq = mq.view(1, 1, num_heads, num_heads)
-    if qw1 is not None and qw2 is not None:
-        mq = mq + _outer_sum(qw1.to(dtype), qw2.to(dtype))                   # (B, T, H, H)
-    if qdd is not None:
-        mq = mq + torch.diag_embed(qdd.to(dtype))                            # (B, T, H, H)
-    mk: Optional[Tensor] = None
-    if kw1 is not None and kw2 is not None:
-        mk = _outer_sum(kw1.to(dtype), kw2.to(dtype))                        # (B, S, H, H)
-    if kdd is not None:
-        gate = torch.diag_embed(kdd.to(dtype))                               # (B, S, H, H)
-        mk = gate if mk is None else mk + gate
-    return mq, mk
 
 
 def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
@@ -165,17 +184,19 @@ def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slo
     return slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)
 
 
-def stage_matrices(slots: Optional[Tensor], q_slot: int, k_slot: int, static: Optional[Tensor],
-                   num_heads: int, dtype: torch.dtype, device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
-    """One stage's ``(mq, mk)`` as in `compose_matrices`, from `slot_matrices` (slot -1: absent;
-    the query slot already holds the identity)."""
-    if slots is not None and q_slot >= 0:
+def stage_matrices(slots: Optional[Tensor], q_slot: Optional[int], k_slot: Optional[int],
+                   static: Optional[Tensor], num_heads: int, dtype: torch.dtype,
+                   device: torch.device) -> Tuple[Tensor, Optional[Tensor]]:
+    """One stage's ``(mq, mk)`` (see `ComposeMatrices`) from `slot_matrices` and the stage's
+    (query, key) slots of `ComposeSlots` (None: absent; the query slot already holds the
+    identity)."""
+    if slots is not None and q_slot is not None:
         mq = slots[:, :, q_slot]                                             # (B, T, H, H)
     else:
         mq = torch.eye(num_heads, dtype=dtype, device=device).view(1, 1, num_heads, num_heads)
     if static is not None:
         mq = mq + static.to(dtype)
-    mk = slots[:, :, k_slot] if slots is not None and k_slot >= 0 else None  # (B, S, H, H)
+    mk = slots[:, :, k_slot] if slots is not None and k_slot is not None else None  # (B, S, H, H)
     return mq, mk
 
 

@@ -39,7 +39,7 @@ def compose_example(heads: int = 4, tokens: int = 12, dim: int = 32, rank: int =
     rec = dcvit.attention_maps(layer, x)[0]            # the maps around post_compose
     with torch.no_grad():
         w1, w2, dd = layer.dynamic_weights(x)
-        weights = layer._slot(w1, w2, dd, layer.post_q_slot, layer.post_k_slot)
+        weights = layer._slot(w1, w2, dd, *layer.slots.stage("post"))
     qw1, qw2, kw1, kw2, qdd, kdd = (w[0] for w in weights)                       # drop batch dim
     return {"a": rec["weights_before"][0], "out": rec["weights_after"][0],       # (H, T, S)
             "qw1": qw1, "qw2": qw2, "kw1": kw1, "kw2": kw2, "qdd": qdd, "kdd": kdd}

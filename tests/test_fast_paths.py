@@ -19,7 +19,7 @@ import dcvit
 from dcvit import compose, fused
 from dcvit import matrices
 from dcvit.fused import attention_impl
-from dcvit.matrices import compose_matrices, mix
+from dcvit.matrices import ComposeMatrices, mix
 from dcvit.kernels import compose_cpu
 
 HAS_CPP = compose_cpu.load() is not None
@@ -76,6 +76,24 @@ def _assert_same(ref, out, atol, rtol=0.0):
 
 # ----------------------------------------------------------------- compose matrices
 
+def compose_matrices(num_heads, qw1, qw2, kw1, kw2, qdd, kdd, static, dtype):
+    """One Compose stage's arguments merged into per-token H×H matrices (float64 formula):
+    mq = I + static + qw1^T qw2 + diag(qdd) (B, T, H, H), mk = kw1^T kw2 + diag(kdd) (B, S, H, H)."""
+    mq = torch.eye(num_heads, dtype=dtype).view(1, 1, num_heads, num_heads)
+    if static is not None:
+        mq = mq + static
+    if qw1 is not None:
+        mq = mq + torch.einsum("btrg,btrh->btgh", qw1, qw2)
+    if qdd is not None:
+        mq = mq + torch.diag_embed(qdd)
+    mk = None
+    if kw1 is not None:
+        mk = torch.einsum("bsrg,bsrh->bsgh", kw1, kw2)
+    if kdd is not None:
+        mk = torch.diag_embed(kdd) if mk is None else mk + torch.diag_embed(kdd)
+    return mq, mk
+
+
 @pytest.mark.parametrize("rank", [1, 2, 4])
 @pytest.mark.parametrize("branches", ["all", "query", "key", "gates", "static"])
 def test_merged_matrices_equal_compose(rank, branches):
@@ -90,10 +108,27 @@ def test_merged_matrices_equal_compose(rank, branches):
     for name in drop[branches]:
         args[name] = None
     mq, mk = compose_matrices(H, args["qw1"], args["qw2"], args["kw1"], args["kw2"], args["qdd"],
-                              args["kdd"], args["static"], torch.float64, a.device)
+                              args["kdd"], args["static"], torch.float64)
     expected = compose(a, **args)
     torch.testing.assert_close(mix(a, mq, mk), expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(matrices.mix_fusable(a, mq, mk), expected, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("options,slots", [
+    (dict(), (0, 1, 2, 3)),
+    (dict(pre_compose=False), (None, None, 0, 1)),
+    (dict(query_wise=False), (None, 0, None, 1)),
+    (dict(post_compose=False, key_wise=False), (0, None, None, None)),
+    (dict(dynamic_proj=False, dynamic_gate=False, static_proj=True), (None, None, None, None)),
+])
+def test_compose_slots_follow_the_options(options, slots):
+    """One ComposeSlots per layer: the slot of each (stage, side) on the dynamic weights' axis."""
+    layer = dcvit.DCMHA(24, 3, **options)
+    assert tuple(layer.slots) == slots
+    count = 0 if layer.dynamic_weights is None else layer.dynamic_weights.num_slots
+    assert layer.slots.count == count == sum(s is not None for s in slots)
+    assert layer.slots.stage("post") == slots[2:]
+    assert layer.slots.query_slots == [s for s in (slots[0], slots[2]) if s is not None]
 
 
 # ------------------------------------------------------------------- layer vs reference
@@ -169,13 +204,13 @@ def test_function_gradcheck_against_finite_differences():
     q, k, v = r(B, H, N, D), r(B, H, N, D), r(B, H, N, D)
     mq1, mk1, mq2, mk2 = r(B, N, H, H), r(B, N, H, H), r(1, 1, H, H), r(B, N, H, H)
     mask = torch.randn(1, 1, N, N, generator=g, dtype=torch.float64)
-    for backend in ["torch"] + (["cpp"] if HAS_CPP else []):
+    for impl in ["torch"] + (["cpp"] if HAS_CPP else []):
         for with_v in (True, False):
             def f(q, k, v, mq1, mk1, mq2, mk2):
-                return fused.composed_attention(q, k, v if with_v else None, mask, (mq1, mk1),
-                                                (mq2, mk2), backend)
+                return fused.composed_attention(q, k, v if with_v else None, mask,
+                                                ComposeMatrices(mq1, mk1, mq2, mk2), impl)
             assert torch.autograd.gradcheck(f, (q, k, v, mq1, mk1, mq2, mk2), atol=1e-7,
-                                            fast_mode=True), backend
+                                            fast_mode=True), impl
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
@@ -212,9 +247,9 @@ def test_cpp_core_beyond_its_head_limit_uses_torch_rows():
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)  # noqa: E731
     inputs = [r(B, H, N, D), r(B, H, N, D), r(B, H, N, D), r(B, N, H, H), r(B, N, H, H)]
     outs = []
-    for backend in ("cpp", "torch"):
+    for impl in ("cpp", "torch"):
         q, k, v, mq, mk = inputs
-        out = fused.composed_attention(q, k, v, None, (mq, mk), (mq, mk), backend, scale=0.5)
+        out = fused.composed_attention(q, k, v, None, ComposeMatrices(mq, mk, mq, mk), impl, scale=0.5)
         outs.append((out, torch.autograd.grad(out.sum(), inputs)))
     for a, b in zip([outs[0][0], *outs[0][1]], [outs[1][0], *outs[1][1]]):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
@@ -230,15 +265,15 @@ def test_tiled_attention_equals_one_tile(monkeypatch, budget):
               r(1, 1, H, H), r(B, N, H, H)]
     mask = torch.where(torch.rand(B, 1, N, N, generator=g) > 0.3, 0.0, float("-inf")).double()
     mask[..., 0] = 0.0
-    for backend in ["torch"] + (["cpp"] if HAS_CPP else []):
+    for impl in ["torch"] + (["cpp"] if HAS_CPP else []):
         for with_v in (True, False):
             def run(tile_elements):
                 monkeypatch.setattr(fused, "TILE_ELEMENTS", tile_elements)
-                tiles = fused._tiles(B, H, N, N, torch.device("cpu"))
+                tiles = fused._tiles(B, H, N, N, tile_elements)
                 assert len(tiles) == (1 if tile_elements > 10**6 else 3 if budget == 486 else 15)
                 q, k, v, mq1, mk1, mq2, mk2 = inputs
-                out = fused.composed_attention(q, k, v if with_v else None, mask, (mq1, mk1), (mq2, mk2),
-                                               backend, scale=0.7)
+                out = fused.composed_attention(q, k, v if with_v else None, mask,
+                                               ComposeMatrices(mq1, mk1, mq2, mk2), impl, scale=0.7)
                 grads = torch.autograd.grad(out, [x for x in inputs if with_v or x is not inputs[2]],
                                             torch.ones_like(out))
                 return out, grads
@@ -258,12 +293,12 @@ def test_strided_qkv_equal_contiguous(monkeypatch, budget):
     qkv = torch.randn(B, N, 3, H, D, generator=g, dtype=torch.float64)
     mats = [torch.randn(B, N, H, H, generator=g, dtype=torch.float64) for _ in range(4)]
     grad = torch.randn(B, N, H, D, generator=g, dtype=torch.float64).transpose(1, 2)
-    for backend in ["torch"] + (["cpp"] if HAS_CPP else []):
+    for impl in ["torch"] + (["cpp"] if HAS_CPP else []):
         results = []
         for layout in (lambda t: t, torch.Tensor.contiguous):
             leaf = qkv.clone().requires_grad_()
             q, k, v = (layout(t) for t in leaf.permute(2, 0, 3, 1, 4).unbind(0))
-            out = fused.composed_attention(q, k, v, None, tuple(mats[:2]), tuple(mats[2:]), backend, 0.5)
+            out = fused.composed_attention(q, k, v, None, ComposeMatrices(*mats), impl, 0.5)
             results.append((out, *torch.autograd.grad(out, leaf, layout(grad))))
         assert not qkv.permute(2, 0, 3, 1, 4)[0].is_contiguous()
         for a, b in zip(*results):
@@ -292,13 +327,13 @@ def test_fused_cpp_core_equals_torch_core(monkeypatch, B, H, N, D, threads):
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for backend in ("cpp", "torch"):
+        for impl in ("cpp", "torch"):
             leaves = [qkv.clone().requires_grad_(), *(m.clone().requires_grad_() for m in mats)]
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
-            out = fused.composed_attention(q, k, v, mask, tuple(leaves[1:3]), tuple(leaves[3:]), backend, 0.4)
+            out = fused.composed_attention(q, k, v, mask, ComposeMatrices(*leaves[1:]), impl, 0.4)
             calls.append(out.transpose(1, 2).is_contiguous())
             merged = out.transpose(1, 2).reshape(B, N, H * D)
-            results[backend] = (out, *torch.autograd.grad(merged, leaves, up))
+            results[impl] = (out, *torch.autograd.grad(merged, leaves, up))
     finally:
         torch.set_num_threads(previous)
     assert calls == [True, True]                    # heads merge without a copy on both paths
@@ -416,8 +451,8 @@ def test_torch_compile_keeps_the_cpp_kernels_as_ops():
         assert any(op in t for t in targets), (op, targets)
 
 
-@pytest.mark.parametrize("backend", ["torch"] + (["cpp"] if HAS_CPP else []))
-def test_custom_ops_pass_opcheck(backend):
+@pytest.mark.parametrize("impl", ["torch"] + (["cpp"] if HAS_CPP else []))
+def test_custom_ops_pass_opcheck(impl):
     """The core's custom op: schema, autograd registration, fake-tensor rule (shapes and
     strides of the real outputs) and AOT dispatch, as torch.library checks them."""
     B, N, H, D = 2, 9, 3, 8
@@ -425,7 +460,7 @@ def test_custom_ops_pass_opcheck(backend):
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
     mats = [torch.randn(B, N, H, H, requires_grad=True) for _ in range(4)]
     for values in (v, None):
-        results = torch.library.opcheck(fused._attention_op, (q, k, values, None, *mats, backend, 0.5))
+        results = torch.library.opcheck(fused._attention_op, (q, k, values, None, *mats, impl, 0.5))
         assert set(results.values()) == {"SUCCESS"}, results
 
 

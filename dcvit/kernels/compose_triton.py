@@ -11,9 +11,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..fused import kernel_operands
+__all__ = ["available", "rows_forward"]
 
-__all__ = ["load", "rows_forward"]
+Stage = Tuple[Optional[Tensor], Optional[Tensor]]    # one Compose stage's (mq, mk)
 
 try:
     import triton
@@ -63,13 +63,23 @@ if triton is not None:
         tl.store(OUT + offs, p, mask=m2)
 
 
-def load():
-    """The Triton kernel, or None when Triton is not importable."""
-    return None if triton is None else _rows_forward_kernel
+def available() -> bool:
+    """Whether Triton imports (the kernel can be compiled)."""
+    return triton is not None
 
 
-def rows_forward(s0: Tensor, mask: Optional[Tensor], pre: Tuple[Optional[Tensor], Optional[Tensor]],
-                 post: Tuple[Optional[Tensor], Optional[Tensor]]) -> Tensor:
+def _operands(s0: Tensor, stage: Stage) -> Stage:
+    """A stage's matrices in the kernel's float32 layouts: Mq (B, T, H, H), Mk (B, H, H, S)."""
+    B, H, T, S = s0.shape
+    mq, mk = stage
+    if mq is None:
+        return None, None
+    mq = mq.float().expand(B, T, H, H).contiguous()                          # (B, T, H, H)
+    mk = None if mk is None else mk.float().permute(0, 2, 3, 1).contiguous()  # (B, H, H, S)
+    return mq, mk
+
+
+def rows_forward(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
     """compose2(softmax(compose1(s0) + mask)) for contiguous float32 s0 (B, H, T, S)."""
     if triton is None:
         raise RuntimeError("the 'triton' attention core needs the triton package; "
@@ -77,8 +87,8 @@ def rows_forward(s0: Tensor, mask: Optional[Tensor], pre: Tuple[Optional[Tensor]
     if s0.dtype != torch.float32:
         raise ValueError(f"the Triton rows kernel computes in float32, got scores of {s0.dtype}")
     B, H, T, S = s0.shape
-    mq1, mk1 = kernel_operands(s0, pre, torch.float32)
-    mq2, mk2 = kernel_operands(s0, post, torch.float32)
+    mq1, mk1 = _operands(s0, pre)
+    mq2, mk2 = _operands(s0, post)
     out = torch.empty_like(s0)
     strides = mask.stride() if mask is not None else (0, 0, 0, 0)
     _rows_forward_kernel[(B * T,)](
