@@ -193,7 +193,7 @@ def _with_core(module: nn.Module, cls: type, dim: int, options: Dict[str, Any], 
         layer.__dict__[store] = type(module.__dict__[store])(module.__dict__[store])
     for name in DCMHA_STATE_PARTS:
         setattr(layer, name, getattr(template, name))
-    for name in ("options", "pre_q_slot", "pre_k_slot", "post_q_slot", "post_k_slot", "attn_impl"):
+    for name in ("options", "slots", "attn_impl"):
         setattr(layer, name, getattr(template, name))
     return layer
 
