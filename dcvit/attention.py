@@ -13,6 +13,7 @@ cores of `dcvit.fused` fuse both Compose stages into one kernel and never call t
 modules. `dcvit.attention_maps` forces the reference core itself; around your own hooks use
 ``with dcvit.fused.attention_impl("reference"): model(x)``.
 """
+import copy
 import math
 from typing import Any, Dict, Optional, Tuple, Type
 
@@ -40,7 +41,15 @@ DCMHA_OPTIONS: Dict[str, Any] = dict(
     dynamic_proj=True,
     dynamic_gate=True,
     static_proj=False,
+    static_init="zeros",
+    dynamic_act="gelu",
+    dynamic_drop=0.0,
+    qk_norm_bias=True,
 )
+
+# Values of the string options.
+STATIC_INITS = ("zeros", "normal")
+DYNAMIC_ACTS = ("gelu", "gelu_tanh")
 
 ComposeWeights = Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor],
                        Optional[Tensor], Optional[Tensor], Optional[Tensor]]
@@ -60,11 +69,13 @@ class DynamicWeights(nn.Module):
     ``pre-query, pre-key, post-query, post-key``. For x of shape (B, N, C)::
 
         hidden = gelu(einsum('bnc,cgk->bngk', x, dw1))      # (B, N, G, K), K = 4H
+        hidden = dropout(hidden)                             # dynamic_drop (default 0)
         w      = einsum('bngk,gkih->bngih', hidden, qkw)     # (B, N, G, 2R, H)
         w1, w2 = w.split(R, dim=-2)                          # (B, N, G, R, H) each
         w1     = w1 * rsqrt(mean_h(w1^2) + 1e-6)             # RMS-norm over heads
-        dd     = tanh(x @ dd_w).view(B, N, G, H)             # (B, N, G, H)
+        dd     = dropout(tanh(x @ dd_w)).view(B, N, G, H)    # (B, N, G, H)
 
+    ``gelu`` is exact (``dynamic_act="gelu"``) or tanh-approximate (``"gelu_tanh"``).
     (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist.) Returns ``(w1, w2, dd)``;
     ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is None without
     ``dynamic_gate``. With ``raw=True`` it returns ``(w, None, dd)``, ``w`` the projections
@@ -74,11 +85,16 @@ class DynamicWeights(nn.Module):
 
     def __init__(self, dim: int, num_heads: int, num_slots: int, rank: int = 2,
                  dynamic_proj: bool = True, dynamic_gate: bool = True,
+                 dynamic_act: str = "gelu", dynamic_drop: float = 0.0,
                  device=None, dtype=None) -> None:
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.dim, self.num_heads, self.num_slots, self.rank = dim, num_heads, num_slots, rank
         self.hidden_dim = 4 * num_heads
+        # "gelu": exact (erf) GELU; "gelu_tanh": its tanh approximation (flax's nn.gelu).
+        self.approximate = "tanh" if dynamic_act == "gelu_tanh" else "none"
+        # Dropout on the hidden layer and on the gates (the authors' dynamic_dropout_rate).
+        self.drop = nn.Dropout(dynamic_drop)
         if dynamic_proj:
             self.dw1 = nn.Parameter(torch.empty(dim, num_slots, self.hidden_dim, **dd))
             self.qkw = nn.Parameter(torch.empty(num_slots, self.hidden_dim, 2 * rank, num_heads, **dd))
@@ -111,10 +127,12 @@ class DynamicWeights(nn.Module):
         if self.dw1 is not None and self.qkw is not None:
             if self.dd_w is not None:                        # both input projections in one GEMM
                 y = x @ torch.cat([self.dw1.reshape(C, G * K), self.dd_w], dim=1)   # (B, N, GK + GH)
-                hidden = F.gelu(y[..., :G * K]).reshape(B, N, G, K)
+                hidden = F.gelu(y[..., :G * K], approximate=self.approximate).reshape(B, N, G, K)
                 gate_in = y[..., G * K:]
             else:
-                hidden = F.gelu(torch.einsum("bnc,cgk->bngk", x, self.dw1))      # (B, N, G, K)
+                hidden = F.gelu(torch.einsum("bnc,cgk->bngk", x, self.dw1),      # (B, N, G, K)
+                                approximate=self.approximate)
+            hidden = self.drop(hidden)
             w = torch.einsum("bngk,gkih->bngih", hidden, self.qkw)              # (B, N, G, 2R, H)
             if raw:
                 w1 = w
@@ -124,7 +142,7 @@ class DynamicWeights(nn.Module):
         if self.dd_w is not None:
             if gate_in is None:
                 gate_in = x @ self.dd_w
-            dd = torch.tanh(gate_in).reshape(B, N, G, H)                          # (B, N, G, H)
+            dd = self.drop(torch.tanh(gate_in)).reshape(B, N, G, H)               # (B, N, G, H)
         return w1, w2, dd
 
     def extra_repr(self) -> str:
@@ -135,16 +153,29 @@ class Compose(nn.Module):
     """`dcvit.compose` as a module, so hooks and per-module FLOP tables can see it.
 
     Holds the optional static H×H matrix (``static_proj``: Talking-Heads), initialised to
-    zeros so that composition starts as the identity.
+    zeros (``static_init="zeros"``: composition starts as the identity) or, as in the
+    authors' vision models, N(0, 0.1·sqrt(1/H)) (``static_init="normal"``).
     """
 
-    def __init__(self, num_heads: int, static_proj: bool = False, device=None, dtype=None) -> None:
+    def __init__(self, num_heads: int, static_proj: bool = False, static_init: str = "zeros",
+                 device=None, dtype=None) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.static_init = static_init
         if static_proj:
             self.static = nn.Parameter(torch.zeros(num_heads, num_heads, device=device, dtype=dtype))
         else:
             self.register_parameter("static", None)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        if self.static is None:
+            return
+        if self.static_init == "normal":
+            nn.init.normal_(self.static, std=0.1 * math.sqrt(1.0 / self.num_heads))
+        else:
+            nn.init.zeros_(self.static)
 
     def forward(self, a: Tensor, qw1: Optional[Tensor], qw2: Optional[Tensor],
                 kw1: Optional[Tensor], kw2: Optional[Tensor],
@@ -166,7 +197,14 @@ class DCMHA(nn.Module):
         query_wise, key_wise: compose with weights generated per query / per key token.
         pre_compose, post_compose: compose the scores (before softmax) / weights (after).
         dynamic_proj, dynamic_gate: use the low-rank projections / the diagonal gates.
-        static_proj: add a learned static H×H matrix (Talking-Heads), zero-initialised.
+        static_proj: add a learned static H×H matrix (Talking-Heads) in each Compose stage.
+        static_init: its initialisation, "zeros" or "normal" (N(0, 0.1·sqrt(1/H)), the
+            authors' vision models).
+        dynamic_act: activation of the dynamic-weight hidden layer, "gelu" (exact) or
+            "gelu_tanh" (tanh approximation, the authors' vision models).
+        dynamic_drop: dropout rate on the dynamic hidden layer and on the gates.
+        qk_norm_bias: with ``qk_norm``, whether the q/k norms have a bias (False: the
+            authors' scale-only LayerNorm).
 
     Shapes: ``forward(x (B, N, dim), attn_mask=None, is_causal=False) -> (B, N, dim)``;
     ``attn_mask`` broadcasts to (B, H, N, N), bool (True = keep) or float (added), and is
@@ -194,6 +232,10 @@ class DCMHA(nn.Module):
             dynamic_proj: bool = DCMHA_OPTIONS["dynamic_proj"],
             dynamic_gate: bool = DCMHA_OPTIONS["dynamic_gate"],
             static_proj: bool = DCMHA_OPTIONS["static_proj"],
+            static_init: str = DCMHA_OPTIONS["static_init"],
+            dynamic_act: str = DCMHA_OPTIONS["dynamic_act"],
+            dynamic_drop: float = DCMHA_OPTIONS["dynamic_drop"],
+            qk_norm_bias: bool = DCMHA_OPTIONS["qk_norm_bias"],
             device=None,
             dtype=None,
     ) -> None:
@@ -203,6 +245,12 @@ class DCMHA(nn.Module):
                              f"(valid head counts: {[h for h in range(1, dim + 1) if dim % h == 0][:12]}...)")
         if not isinstance(rank, int) or rank < 1:
             raise ValueError(f"DCMHA: rank must be an integer >= 1, got {rank!r}")
+        if static_init not in STATIC_INITS:
+            raise ValueError(f"DCMHA: static_init must be one of {STATIC_INITS}, got {static_init!r}")
+        if dynamic_act not in DYNAMIC_ACTS:
+            raise ValueError(f"DCMHA: dynamic_act must be one of {DYNAMIC_ACTS}, got {dynamic_act!r}")
+        if not 0.0 <= float(dynamic_drop) < 1.0:
+            raise ValueError(f"DCMHA: dynamic_drop must be a rate in [0, 1), got {dynamic_drop!r}")
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError("DCMHA: norm_layer must be given when qk_norm or scale_norm is True")
         dd = {"device": device, "dtype": dtype}
@@ -213,15 +261,18 @@ class DCMHA(nn.Module):
         self.options = dict(rank=rank, query_wise=query_wise, key_wise=key_wise,
                             pre_compose=pre_compose, post_compose=post_compose,
                             dynamic_proj=dynamic_proj, dynamic_gate=dynamic_gate,
-                            static_proj=static_proj)
+                            static_proj=static_proj, static_init=static_init,
+                            dynamic_act=dynamic_act, dynamic_drop=dynamic_drop,
+                            qk_norm_bias=qk_norm_bias)
         # The same constructor arguments build the matching plain attention (see as_mha).
         self._mha_args = dict(dim=dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm,
                               scale_norm=scale_norm, proj_bias=proj_bias, attn_drop=attn_drop,
                               proj_drop=proj_drop, norm_layer=norm_layer)
 
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
-        self.q_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
-        self.k_norm = norm_layer(self.head_dim, **dd) if qk_norm else nn.Identity()
+        qk = {} if qk_norm_bias else {"bias": False}
+        self.q_norm = norm_layer(self.head_dim, **qk, **dd) if qk_norm else nn.Identity()
+        self.k_norm = norm_layer(self.head_dim, **qk, **dd) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
         self.norm = norm_layer(dim, **dd) if scale_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
@@ -231,15 +282,16 @@ class DCMHA(nn.Module):
         self.slots = ComposeSlots.from_options(pre_compose, post_compose, query_wise, key_wise,
                                                dynamic_proj or dynamic_gate)
         self.dynamic_weights = DynamicWeights(
-            dim, num_heads, self.slots.count, rank, dynamic_proj, dynamic_gate, **dd) if self.slots.count else None
+            dim, num_heads, self.slots.count, rank, dynamic_proj, dynamic_gate, dynamic_act,
+            float(dynamic_drop), **dd) if self.slots.count else None
         pre_on = pre_compose and (static_proj or self.slots.stage("pre") != (None, None))
         post_on = post_compose and (static_proj or self.slots.stage("post") != (None, None))
         if not (pre_on or post_on):
             raise ValueError(f"DCMHA: options {self.options} compose nothing; enable at least one of "
                              "pre_compose/post_compose, one of query_wise/key_wise and one of "
                              "dynamic_proj/dynamic_gate/static_proj (or use timm.layers.Attention)")
-        self.pre_compose = Compose(num_heads, static_proj, **dd) if pre_on else None
-        self.post_compose = Compose(num_heads, static_proj, **dd) if post_on else None
+        self.pre_compose = Compose(num_heads, static_proj, static_init, **dd) if pre_on else None
+        self.post_compose = Compose(num_heads, static_proj, static_init, **dd) if post_on else None
         # Which attention core runs: "auto" (by device, dtype and context) or one of
         # dcvit.fused.IMPLS to force it; `dcvit.fused.attention_impl(...)` overrides all layers.
         self.attn_impl: str = "auto"
@@ -347,6 +399,8 @@ class DCMHA(nn.Module):
         """The ``timm.layers.Attention`` with this layer's configuration and qkv/proj weights."""
         ref = next(self.qkv.parameters())
         mha = Attention(**self._mha_args, device=ref.device, dtype=ref.dtype)
+        if not self.options["qk_norm_bias"]:                 # the same (bias-free) q/k norms
+            mha.q_norm, mha.k_norm = copy.deepcopy(self.q_norm), copy.deepcopy(self.k_norm)
         missing, unexpected = mha.load_state_dict(self.state_dict(), strict=False)
         assert not missing, missing
         return mha

@@ -14,7 +14,7 @@ keyword arguments of ``timm.create_model``.
 import difflib
 import inspect
 import logging
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Type
 
 import torch
 from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
@@ -24,7 +24,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from .attention import DCMHA, DCMHA_OPTIONS, dcmha_layer
 
-__all__ = ["DCVIT_MODELS", "checkpoint_filter_fn"]
+__all__ = ["DCVIT_MODELS", "checkpoint_filter_fn", "create_vit_family"]
 
 _logger = logging.getLogger(__name__)
 
@@ -57,14 +57,17 @@ _BUILDER_KWARGS = set(inspect.signature(build_model_with_cfg).parameters) | {
 _VIT_KWARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"self", "attn_layer"}
 
 
-def _check_kwargs(variant: str, kwargs: Dict[str, Any]) -> None:
-    known = _VIT_KWARGS | _BUILDER_KWARGS | set(DCMHA_OPTIONS) | {"dcmha_layers"}
+def _check_kwargs(variant: str, kwargs: Dict[str, Any], dc: bool = True,
+                  extra: Iterable[str] = ()) -> None:
+    dcmha = set(DCMHA_OPTIONS) | {"dcmha_layers"} if dc else set()
+    known = _VIT_KWARGS | _BUILDER_KWARGS | dcmha | set(extra)
     for key in kwargs:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3)
             hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise TypeError(f"{variant}: unknown option {key!r}{hint} "
-                            f"(DCMHA options: {sorted(DCMHA_OPTIONS) + ['dcmha_layers']})")
+            where = (f"DCMHA options: {sorted(DCMHA_OPTIONS) + ['dcmha_layers']}" if dc else
+                     "a baseline has no DCMHA options; use the dcvit_* model")
+            raise TypeError(f"{variant}: unknown option {key!r}{hint} ({where})")
 
 
 def _resolve_layers(variant: str, dcmha_layers: Optional[Iterable[int]], depth: int) -> set:
@@ -80,10 +83,12 @@ def _resolve_layers(variant: str, dcmha_layers: Optional[Iterable[int]], depth: 
 
 
 def _dcvit(variant: str, dcmha_layers: Optional[Iterable[int]] = None,
-           **kwargs: Any) -> VisionTransformer:
-    """Build the VisionTransformer; blocks outside ``dcmha_layers`` get plain timm Attention."""
+           model_cls: Type[VisionTransformer] = VisionTransformer, **kwargs: Any) -> VisionTransformer:
+    """Build the model; blocks outside ``dcmha_layers`` get plain timm Attention."""
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in DCMHA_OPTIONS}
-    model = VisionTransformer(attn_layer=dcmha_layer(**options), **kwargs)
+    if "qk_norm_bias" in options and not options["qk_norm_bias"] and not kwargs.get("qk_norm"):
+        options.pop("qk_norm_bias")                      # no q/k norm: nothing to drop a bias from
+    model = model_cls(attn_layer=dcmha_layer(**options), **kwargs)
     layers = _resolve_layers(variant, dcmha_layers, len(model.blocks))
     for i, block in enumerate(model.blocks):
         if i not in layers:
@@ -120,17 +125,30 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
     return state_dict
 
 
-def _create_dcvit(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    _check_kwargs(variant, kwargs)
+def create_vit_family(variant: str, pretrained: bool = False,
+                      model_cls: Type[VisionTransformer] = VisionTransformer, dc: bool = True,
+                      **kwargs: Any) -> VisionTransformer:
+    """Build ``variant`` (a DCViT with DCMHA when ``dc``, else a plain ViT) through timm's builder."""
+    extra = set(inspect.signature(model_cls.__init__).parameters) - {"self", "kwargs"}
+    _check_kwargs(variant, kwargs, dc, extra)
     out_indices = kwargs.pop("out_indices", 3)
+    if dc:
+        def build(**kw: Any) -> VisionTransformer:
+            return _dcvit(variant, model_cls=model_cls, **kw)
+    else:
+        build = model_cls
     return build_model_with_cfg(
-        lambda **kw: _dcvit(variant, **kw),
+        build,
         variant,
         pretrained,
         pretrained_filter_fn=checkpoint_filter_fn,
         feature_cfg=dict(out_indices=out_indices, feature_cls="getter"),
         **kwargs,
     )
+
+
+def _create_dcvit(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
+    return create_vit_family(variant, pretrained, **kwargs)
 
 
 # Architecture of each model: one line of hyper-parameters, user kwargs override them.
