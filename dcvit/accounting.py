@@ -333,8 +333,11 @@ def analytic_macs(model: nn.Module, batch_size: int = 1) -> Dict[str, int]:
                 parts[name] += macs
     pooled = 1 if model.global_pool else n
     parts["norms"] += _norm_macs(model.fc_norm, pooled * c)
+    pre_logits = getattr(model, "pre_logits", None)      # the big_vision body's Linear+tanh
+    if isinstance(pre_logits, nn.Sequential):
+        parts["head"] += pooled * c * pre_logits.fc.out_features
     if model.num_classes:
-        parts["head"] = pooled * c * model.num_classes
+        parts["head"] += pooled * c * model.num_classes
     parts = {k: batch_size * v for k, v in parts.items()}
     parts["total"] = sum(parts.values())
     return parts

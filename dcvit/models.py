@@ -104,7 +104,10 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
     keys). DCMHA tensors a plain ViT checkpoint lacks keep the model's SPEC initialisation
     and are listed in a log message. A tensor whose shape does not fit raises ``ValueError``.
     """
-    state_dict = timm_vit.checkpoint_filter_fn(state_dict, model, **kwargs)
+    # timm's filter drops ``pre_logits.*`` (old ViT checkpoints); the big_vision body has one.
+    pre_logits = {k: v for k, v in state_dict.items() if k.startswith("pre_logits.")} \
+        if isinstance(getattr(model, "pre_logits", None), torch.nn.Module) else {}
+    state_dict = {**timm_vit.checkpoint_filter_fn(state_dict, model, **kwargs), **pre_logits}
     own = model.state_dict()
     for key, value in state_dict.items():
         if key in own and tuple(value.shape) != tuple(own[key].shape):
