@@ -50,7 +50,8 @@ from torch import Tensor, nn
 from .attention import DCMHA, DCMHA_OPTIONS
 
 __all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCWindowAttention",
-           "converted_layers", "is_converted", "DCMHA_STATE_PARTS"]
+           "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
+           "dcmha_parameters", "fit_state_dict"]
 
 _logger = logging.getLogger(__name__)
 
@@ -311,3 +312,35 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
     _logger.info("convert: %d of %d attention layers of %s now use DCMHA (init=%s, options=%s)",
                  len(selected), len(found), type(model).__name__, init, dcmha_options)
     return model
+
+
+def is_dcmha_key(key: str) -> bool:
+    """Whether a state-dict key names a DCMHA tensor (of ``dynamic_weights``/``*_compose``)."""
+    return any(f".{part}." in f".{key}" for part in DCMHA_STATE_PARTS)
+
+
+def dcmha_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    """The (name, parameter) pairs that DCMHA adds to ``model`` (what a conversion adds)."""
+    return [(name, p) for name, p in model.named_parameters() if is_dcmha_key(name)]
+
+
+def fit_state_dict(model: nn.Module, state_dict: Dict[str, Tensor], source: str = "checkpoint") -> Dict[str, Tensor]:
+    """``state_dict`` made to load strictly into ``model`` across a conversion.
+
+    A state dict of the unconverted model into a converted one: the DCMHA tensors it lacks
+    keep ``model``'s own values (their initialisation) and a warning names them. A state dict
+    of a converted model into one that is not converted: ``ValueError`` saying to convert
+    the model first. Anything else is returned unchanged (``load_state_dict`` judges it).
+    """
+    own = model.state_dict()
+    extra = [k for k in state_dict if is_dcmha_key(k) and k not in own]
+    if extra and not is_converted(model):
+        raise ValueError(f"{source} holds {len(extra)} DCMHA tensors (e.g. {extra[0]!r}): it comes from a model "
+                         f"converted to DCMHA, but {type(model).__name__} is not converted; convert it first "
+                         f"(dcvit.convert(model, ...) with the options it was converted with)")
+    missing = [k for k in own if is_dcmha_key(k) and k not in state_dict]
+    if missing and not any(is_dcmha_key(k) for k in state_dict):
+        _logger.warning("%s is of the model before conversion: %d DCMHA tensors keep their initialisation: %s",
+                        source, len(missing), ", ".join(missing))
+        state_dict = {**state_dict, **{k: own[k] for k in missing}}
+    return state_dict

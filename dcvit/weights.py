@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .io import atomic_write
+from .conversion import fit_state_dict
 from .models import checkpoint_filter_fn
 
 __all__ = ["save_weights", "load_weights", "read_state_dict"]
@@ -35,11 +36,11 @@ def read_state_dict(path: PathLike) -> Dict[str, torch.Tensor]:
 
 
 def load_weights(model: nn.Module, path: PathLike) -> nn.Module:
-    """Load a ViT or DCViT checkpoint into a DCViT (or ViT) model.
+    """Load a ViT or DCViT checkpoint into a DCViT (or ViT) model, or a converted one.
 
     DCMHA tensors a plain ViT checkpoint lacks keep their initialisation and are listed
     in a log message; a checkpoint of another size raises ``ValueError``.
     """
-    state = checkpoint_filter_fn(read_state_dict(path), model)
+    state = checkpoint_filter_fn(fit_state_dict(model, read_state_dict(path), repr(str(path))), model)
     model.load_state_dict(state, strict=True)
     return model

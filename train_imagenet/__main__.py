@@ -26,6 +26,8 @@ from .config import Config, ConfigError, config_to_dict, load_config, save_confi
 from .data import DataError, DataPipe, build_data, count_samples, resolve_source
 from .distributed import DistInfo, all_gather_object, broadcast_object, init_distributed, shutdown
 from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
+from .finetune import (apply_conversion, arch_entry, conversion_to_apply, param_group_fn,
+                       pretrained_kwargs)
 from .logs import RunLog
 
 __all__ = ["main", "run"]
@@ -45,8 +47,10 @@ def _seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model(cfg: Config) -> torch.nn.Module:
-    """timm.create_model with the config's kwargs; dcvit_* names are registered first."""
+def build_model(cfg: Config, pretrained: bool = True) -> torch.nn.Module:
+    """timm.create_model with the config's kwargs; dcvit_* names are registered first.
+    With ``pretrained`` it loads ``cfg.pretrained`` (if set) and converts to DCMHA
+    (``cfg.convert.enabled``) in that order."""
     import timm
     import dcvit  # noqa: F401  (registers dcvit_* with timm)
     kwargs = dict(cfg.model_kwargs)
@@ -57,23 +61,36 @@ def build_model(cfg: Config) -> torch.nn.Module:
         close = difflib.get_close_matches(cfg.model, timm.list_models(), n=3)
         hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         raise ConfigError(f"model={cfg.model!r} is not a timm model{hint}")
+    load = pretrained_kwargs(cfg) if pretrained and cfg.pretrained else {}
     try:
         model = timm.create_model(cfg.model, num_classes=cfg.data.num_classes,
-                                  drop_path_rate=cfg.drop_path, **kwargs)
+                                  drop_path_rate=cfg.drop_path, **kwargs, **load)
     except TypeError as e:
         raise ConfigError(f"model={cfg.model!r} rejects model_kwargs={cfg.model_kwargs}: {e}") from e
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        if not load:
+            raise
+        raise ConfigError(f"pretrained={cfg.pretrained!r} does not load into model={cfg.model!r} with "
+                          f"model_kwargs={cfg.model_kwargs}: {e}") from e
+    if load:
+        getattr(model, "pretrained_cfg", {}).pop("state_dict", None)   # hold no second copy
     size = getattr(getattr(model, "patch_embed", None), "img_size", None)
     if size is not None and tuple(size) != (cfg.data.img_size, cfg.data.img_size) \
             and not getattr(model.patch_embed, "dynamic_img_size", False):
         raise ConfigError(f"model {cfg.model!r} is built for {tuple(size)} images but "
                           f"data.img_size={cfg.data.img_size}; set model_kwargs.img_size="
                           f"{cfg.data.img_size} (or data.img_size={size[0]})")
+    if cfg.convert.enabled:
+        apply_conversion(model, cfg)
     return model
 
 
 def _arch(cfg: Config) -> Dict[str, Any]:
-    return {"model": cfg.model, "model_kwargs": dict(cfg.model_kwargs),
+    arch = {"model": cfg.model, "model_kwargs": dict(cfg.model_kwargs),
             "num_classes": cfg.data.num_classes}
+    if cfg.convert.enabled:
+        arch["convert"] = arch_entry(cfg)
+    return arch
 
 
 def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
@@ -134,7 +151,7 @@ def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) 
             "num_samples": metrics["num_samples"], "loss": metrics["loss"],
             "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.data.img_size,
             "num_classes": cfg.data.num_classes, "checkpoint": checkpoint, "ema": ema,
-            "val": cfg.data.val}
+            "val": cfg.data.val, "convert": arch_entry(cfg)}
 
 
 def run(cfg: Config) -> int:
@@ -150,8 +167,16 @@ def run(cfg: Config) -> int:
     run_dir = cfg.output_dir
     os.makedirs(run_dir, exist_ok=True)
 
+    # The checkpoint this run loads decides whether it converts (a converted run's checkpoint
+    # converts again) and whether the pretrained file is read (not when resuming/evaluating).
+    if cfg.eval_only:
+        start = cfg.checkpoint or _latest_checkpoint(run_dir, info)
+    else:
+        start = _latest_checkpoint(run_dir, info) if cfg.resume == "auto" else cfg.resume
+    resuming = cfg.eval_only or bool(start)
+    conversion_to_apply(cfg, start or cfg.checkpoint, lambda msg: _log(info, msg))
     _seed_all(cfg.seed)  # the same initial weights on every rank and world size
-    model = build_model(cfg)
+    model = build_model(cfg, pretrained=not resuming)
     if cfg.data.mean is None or cfg.data.std is None:
         pcfg = getattr(model, "pretrained_cfg", {}) or {}
         cfg.data.mean = list(cfg.data.mean or pcfg.get("mean", (0.485, 0.456, 0.406)))
@@ -205,6 +230,8 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         opt_kwargs["betas"] = tuple(cfg.optim.betas)
     if cfg.optim.eps:
         opt_kwargs["eps"] = cfg.optim.eps
+    if cfg.convert.enabled:  # the DCMHA parameters: their own lr multiplier and weight decay
+        opt_kwargs["param_group_fn"] = param_group_fn(cfg, cfg.optim.weight_decay)
     optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
                                     momentum=cfg.optim.momentum, **opt_kwargs)
     updates_per_epoch = train.batches_per_epoch // cfg.accum_steps

@@ -119,7 +119,15 @@ def check_arch(state: Dict[str, Any], arch: Dict[str, Any], path: str) -> None:
 
 def load_model_weights(model: torch.nn.Module, weights: Dict[str, torch.Tensor], path: str,
                        what: str = "model") -> None:
-    """`load_state_dict(strict=True)` with an error that names the mismatching keys."""
+    """`load_state_dict(strict=True)` with an error that names the mismatching keys.
+
+    Weights of the model before its conversion to DCMHA load with the DCMHA tensors at their
+    initialisation (logged); weights of a converted model into an unconverted one fail."""
+    from dcvit.conversion import fit_state_dict
+    try:
+        weights = fit_state_dict(model, weights, f"{what} weights in {path!r}")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:

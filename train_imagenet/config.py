@@ -92,6 +92,17 @@ class EmaConfig:
 
 
 @dataclass
+class ConvertConfig:
+    """Fine-tuning with DCMHA: ``dcvit.convert`` after the pretrained weights are loaded."""
+    enabled: bool = False
+    init: str = "identity"                # 'identity' (the pretrained function exactly) or 'paper'
+    layers: Optional[List[int]] = None    # attention layers to convert (their order); null = all
+    options: Dict[str, Any] = field(default_factory=dict)   # DCMHA options: rank, query_wise, ...
+    lr_mult: float = 1.0                  # learning-rate multiplier of the DCMHA parameters
+    weight_decay: Optional[float] = None  # weight decay of the DCMHA parameters; null = optim.weight_decay
+
+
+@dataclass
 class DebugConfig:
     """Fault injection for tests of the recovery paths (leave at 0 in real runs)."""
     crash_at_step: int = 0     # exit the process hard after this global update, once per run dir
@@ -102,6 +113,9 @@ class DebugConfig:
 class Config:
     model: str = "vit_small_patch16_224"  # any timm name; dcvit_* names exist (dcvit imported)
     model_kwargs: Dict[str, Any] = field(default_factory=dict)   # extra timm.create_model kwargs
+    pretrained: str = ""                  # local weights of `model` read by timm's loader before
+                                          # conversion (.safetensors, .pth, big_vision .npz)
+    convert: ConvertConfig = field(default_factory=ConvertConfig)
     drop_path: float = 0.1
     grad_checkpointing: bool = False
     compile: bool = False
@@ -133,6 +147,9 @@ class Config:
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("data.on_corrupt", self.data.on_corrupt, ("skip", "fail"))
+        _choice("convert.init", self.convert.init, ("identity", "paper"))
+        if self.convert.lr_mult < 0:
+            raise ConfigError(f"convert.lr_mult={self.convert.lr_mult!r} must be >= 0")
         for key in ("epochs", "batch_size", "accum_steps", "data.num_classes", "data.img_size",
                     "aug.repeated_aug", "eval_every", "keep_checkpoints", "log_every"):
             if _get(self, key) < 1:
