@@ -143,7 +143,8 @@ def _reference_attention(model: nn.Module) -> Iterator[None]:
     matrix products from fvcore and from ``FlopCounterMode``; MACs are those of the
     paper's formulation, whichever core runs in production.
     """
-    if not any(isinstance(m, DCMHA) for m in model.modules()):
+    from .conversion import is_converted   # DCMHA layers, dcvit's own or converted ones
+    if not is_converted(model):
         yield
         return
     with attention_impl("reference"):

@@ -5,13 +5,15 @@ Usage (installed as ``dcvit-bench``; ``python scripts/benchmark.py`` is the same
     dcvit-bench                                   # DCViT-S/16 vs ViT-S/16, the issue's table
     dcvit-bench --dtypes fp32,bf16 --no-compile   # sub-selections
     dcvit-bench --layer --batch-size 16 --tokens 197 --dim 384 --heads 6
+    dcvit-bench --model eva02_tiny_patch14_224 --convert rank=2   # converted vs the original
 
 Method (SPEC §5): both models are built in one process and timed alternately (DCViT, ViT,
 then ViT, DCViT, ...), after warm-up, same batch, dtype and threads; a figure is the ratio of
 the median step times (throughput ratio = ViT time / DCViT time). Training steps are
 forward + cross-entropy + backward + AdamW. Peak memory is measured in a fresh process per
 model (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over training steps at
-``--mem-batch-size``. ``--layer`` times one DCMHA layer (its automatic fast core) against the
+``--mem-batch-size``. ``--convert [KEY=VALUE ...]`` times ``--model`` converted to DCMHA
+(`dcvit.convert` with those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic fast core) against the
 plain formulation of SPEC §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
 Results go to stdout as a table and to ``--json`` (written atomically).
 """
@@ -35,14 +37,17 @@ TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _build(name: str, args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+def _build(name: str, args: argparse.Namespace, device: torch.device, convert: bool = False) -> torch.nn.Module:
     import timm
-    import dcvit  # noqa: F401  (registers the DCViT models)
+    import dcvit  # (registers the DCViT models)
     kwargs: Dict[str, Any] = dict(img_size=args.img_size)
     if args.depth:
         kwargs["depth"] = args.depth
     torch.manual_seed(0)
-    model = timm.create_model(name, **kwargs).to(device)
+    model = timm.create_model(name, **kwargs)
+    if convert:
+        dcvit.convert(model, **_convert_options(args))
+    model = model.to(device)
     if args.impl != "auto":
         for m in model.modules():
             if hasattr(m, "attn_impl"):
@@ -77,11 +82,16 @@ def _step_fn(model: torch.nn.Module, mode: str, dtype: torch.dtype, device: torc
     return train_step
 
 
+def _convert_options(args: argparse.Namespace) -> Dict[str, Any]:
+    from .cli import parse_kwargs
+    return parse_kwargs(args.convert or [], flag="--convert")
+
+
 def _memory_child(args: argparse.Namespace) -> None:
     """In a fresh process: peak memory over training steps of one model; prints JSON."""
     import resource
     device = torch.device(args.device)
-    model = _build(args.memory_child, args, device)
+    model = _build(args.memory_child, args, device, convert=args.convert is not None)
     step = _step_fn(model, "train", DTYPES[args.dtypes.split(",")[0]], device, args.mem_batch_size,
                     args.img_size, compiled=False)
     if device.type == "cuda":
@@ -96,10 +106,12 @@ def _memory_child(args: argparse.Namespace) -> None:
     print(json.dumps({"model": args.memory_child, "peak_bytes": peak}))
 
 
-def _memory(name: str, args: argparse.Namespace) -> int:
+def _memory(name: str, args: argparse.Namespace, convert: bool = False) -> int:
     cmd = [sys.executable, "-m", "dcvit.benchmark", "--memory-child", name, "--device", args.device,
            "--mem-batch-size", str(args.mem_batch_size), "--img-size", str(args.img_size),
            "--dtypes", "fp32", "--threads", str(args.threads), "--impl", args.impl]
+    if convert:
+        cmd += ["--convert", *(args.convert or [])]
     if args.depth:
         cmd += ["--depth", str(args.depth)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -152,14 +164,17 @@ def _layer_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
 
 
 def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
-    baseline = args.baseline or args.model.replace("dcvit_", "vit_", 1)
+    converting = args.convert is not None
+    baseline = args.model if converting else args.baseline or args.model.replace("dcvit_", "vit_", 1)
     out: Dict[str, Any] = {"model": args.model, "baseline": baseline, "figures": {}}
+    if converting:
+        out["convert"] = _convert_options(args)
     backends = ["eager"] + ([] if args.no_compile else ["compile"])
     for backend in backends:
         for dname in args.dtypes.split(","):
             for mode in args.modes.split(","):
                 torch._dynamo.reset()
-                a, b = _build(args.model, args, device), _build(baseline, args, device)
+                a, b = _build(args.model, args, device, converting), _build(baseline, args, device)
                 fa = _step_fn(a, mode, DTYPES[dname], device, args.batch_size, args.img_size, backend == "compile")
                 fb = _step_fn(b, mode, DTYPES[dname], device, args.batch_size, args.img_size, backend == "compile")
                 warmup = max(args.warmup, 2 if backend == "compile" else 0)
@@ -171,7 +186,7 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
                       f"ratio {r['ratio']:.3f}", flush=True)
                 del a, b, fa, fb
     if not args.no_memory:
-        da, db = _memory(args.model, args), _memory(baseline, args)
+        da, db = _memory(args.model, args, converting), _memory(baseline, args)
         out["figures"][f"memory/fp32/eager/b{args.mem_batch_size}"] = {
             "dcvit_bytes": da, "vit_bytes": db, "ratio": da / db, "mode": "memory",
             "kind": "peak_rss" if device.type == "cpu" else "cuda_max_allocated"}
@@ -179,7 +194,8 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
 
 
 def _print_table(result: Dict[str, Any]) -> None:
-    print(f"\n{result['model']} vs {result['baseline']} ({result['device']}, "
+    name = result["model"] + (" + DCMHA (dcvit.convert)" if "convert" in result else "")
+    print(f"\n{name} vs {result['baseline']} ({result['device']}, "
           f"{result['threads']} threads, img {result['img_size']})")
     print(f"{'figure':<34}{'DCViT':>12}{'ViT':>12}{'ratio':>8}{'pairwise':>10}{'target':>9}  met")
     for key, r in result["figures"].items():
@@ -217,6 +233,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=197, help="--layer: sequence length N")
     p.add_argument("--dim", type=int, default=384, help="--layer: embedding dim")
     p.add_argument("--heads", type=int, default=6, help="--layer: heads H")
+    p.add_argument("--convert", nargs="*", default=None, metavar="KEY=VALUE",
+                   help="time --model converted to DCMHA (dcvit.convert with these DCMHA options, "
+                        "e.g. rank=2) against --model itself")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -238,6 +257,10 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     for m in args.modes.split(","):
         if m not in ("inference", "train"):
             raise SystemExit(f"dcvit-bench: unknown mode {m!r} in --modes; choose from inference,train")
+    try:
+        _convert_options(args)
+    except ValueError as e:
+        raise SystemExit(f"dcvit-bench: {e}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.memory_child:

@@ -192,6 +192,7 @@ def _with_core(module: nn.Module, cls: type, dim: int, options: Dict[str, Any], 
     layer.__dict__ = dict(module.__dict__)
     for store in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         layer.__dict__[store] = type(module.__dict__[store])(module.__dict__[store])
+    layer.dim = dim                                              # the input width (as DCMHA's)
     for name in DCMHA_STATE_PARTS:
         setattr(layer, name, getattr(template, name))
     for name in ("options", "slots", "attn_impl"):

@@ -48,3 +48,16 @@ def test_bad_arguments_name_the_fix():
         run(["--dtypes", "fp16"])
     with pytest.raises(SystemExit, match="unknown --impl 'fast'"):
         run(["--impl", "fast"])
+
+
+def test_converted_model_is_timed_against_itself_unconverted(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    run(["--model", "eva02_tiny_patch14_224", "--img-size", "28", "--depth", "1", "--batch-size", "2",
+         "--steps", "1", "--warmup", "0", "--no-compile", "--no-memory", "--modes", "inference",
+         "--convert", "rank=1", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["baseline"] == "eva02_tiny_patch14_224" and data["convert"] == {"rank": 1}
+    assert data["figures"]["inference/fp32/eager/b2"]["dcvit_ms"] > 0
+    assert "eva02_tiny_patch14_224 + DCMHA (dcvit.convert) vs eva02_tiny_patch14_224" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--convert entry 'rank' is not key=value"):
+        run(["--convert", "rank"])

@@ -226,3 +226,32 @@ def test_other_attention_modules_are_left_with_a_warning(caplog):
         dcvit.convert(model)
     assert "AttentionPoolLatent" in caplog.text
     assert type(model.attn_pool).__name__ == "AttentionPoolLatent"
+
+
+@pytest.mark.parametrize("family", ["vit", "eva02", "swin"])
+def test_accounting_counts_the_converted_layers(family):
+    """fvcore's and FlopCounterMode's extra MACs of a conversion equal the formula of
+    docs/spec.md §1.2 per layer (Swin: per window), and the extra parameters too."""
+    from dcvit.accounting import _dcmha_macs, account, flop_counter_macs
+    model = build(family)
+    size = FAMILIES[family][1]["img_size"]
+    shape = (1, 3, size, size)
+    before, matmul_before = account(model, shape), flop_counter_macs(model, shape)["total"]
+    converted = dcvit.convert(copy.deepcopy(model))
+    after, matmul_after = account(converted, shape), flop_counter_macs(converted, shape)["total"]
+    macs = params = 0
+    for name in converted_layers(converted):
+        attn = converted.get_submodule(name)
+        c, h, r = attn.dim, attn.num_heads, attn.options["rank"]
+        params += c * 4 * 4 * h + 4 * 4 * h * 2 * r * h + c * 4 * h
+        if family == "swin":
+            block = converted.get_submodule(name.rsplit(".", 1)[0])
+            windows = (block.input_resolution[0] // block.window_size[0]) * \
+                      (block.input_resolution[1] // block.window_size[1])
+            macs += windows * sum(_dcmha_macs(attn, block.window_area).values())
+        else:
+            tokens = converted.patch_embed.num_patches + converted.num_prefix_tokens
+            macs += sum(_dcmha_macs(attn, tokens).values())
+    assert after.params - before.params == params
+    assert after.macs - before.macs == macs
+    assert after.matmul_macs - before.matmul_macs == macs == matmul_after - matmul_before

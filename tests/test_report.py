@@ -178,3 +178,26 @@ def test_done_when_vit_small_and_dcvit_small(tmp_path, capsys):
     assert (vit["macs"], vit["params"]) == (4_608_338_304, 22_050_664)
     assert dc["params"] == 22_631_272
     assert 3.0 < dc["extra_macs_pct"] < 4.0
+
+
+def test_converted_model_sits_next_to_its_original(tmp_path, capsys):
+    out = tmp_path / "rep"
+    code, stdout, _ = run(["--models", "eva02_tiny_patch14_224", "--model-kwargs", "img_size=28", "depth=1",
+                           "--convert", "rank=1", "--out", str(out)], capsys)
+    assert code == 0
+    plain, converted = json.loads((out / "report.json").read_text())["rows"]
+    assert plain["convert"] is None and converted["convert"] == {"rank": 1}
+    assert converted["model"] == converted["baseline"] == "eva02_tiny_patch14_224"
+    c, h, r = 192, 3, 1   # eva02_tiny: width 192, 3 heads; one layer of docs/spec.md §1.2
+    assert converted["params"] - plain["params"] == c * 16 * h + 16 * h * 2 * r * h + c * 4 * h
+    assert converted["extra_params_pct"] > 0 and converted["extra_macs_pct"] > 0
+    assert "`eva02_tiny_patch14_224` + DCMHA (rank=1)" in (out / "report.md").read_text()
+    # A converted training run's eval.json names its conversion: the report converts the model.
+    results = tmp_path / "eval.json"
+    results.write_text(json.dumps({"model": "eva02_tiny_patch14_224", "top1": 50.0, "img_size": 28,
+                                   "num_classes": 10, "model_kwargs": {"depth": 1},
+                                   "convert": {"layers": None, "options": {"rank": 1}}}))
+    code, _, _ = run(["--results", str(results), "--out", str(tmp_path / "rep2")], capsys)
+    [row] = json.loads((tmp_path / "rep2" / "report.json").read_text())["rows"]
+    assert code == 0 and row["convert"] == {"rank": 1} and row["top1"] == 50.0
+    assert row["params"] > n_params("eva02_tiny_patch14_224", img_size=28, depth=1, num_classes=10)

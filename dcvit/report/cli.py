@@ -4,6 +4,7 @@
 
     dcvit-report --models vit_small_patch16_224 dcvit_small_patch16_224 --out DIR
     dcvit-report --results runs/*/eval.json --throughput --detail --out DIR
+    dcvit-report --models eva02_tiny_patch14_224 swin_tiny_patch4_window7_224 --convert rank=2 --out DIR
 
 writes ``DIR/report.md``, ``report.csv``, ``report.json`` and ``report.png``.
 """
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--throughput-batch", type=int, default=8, metavar="N", help="batch size for --throughput")
     p.add_argument("--throughput-steps", type=int, default=5, metavar="N",
                    help="timed forwards per model for --throughput (median; default 5)")
+    p.add_argument("--convert", nargs="*", default=None, metavar="KEY=VALUE",
+                   help="add each --models model converted to DCMHA (dcvit.convert with these options, "
+                        "e.g. rank=2 layers=[0,1]) next to it")
     p.add_argument("--device", default="cpu", help="device --throughput runs on (default: cpu)")
     p.add_argument("--detail", action="store_true", help="add the per-module table of every model")
     return p
@@ -50,6 +54,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = [(path, read_results(path)) for path in args.results]
         names = args.models if args.models is not None else ([] if results else DEFAULT_MODELS)
         models = [ModelSpec.of(name, base_kwargs) for name in names]
+        if args.convert is not None:
+            convert = parse_model_kwargs(args.convert, "--convert")
+            models = [s for m in models for s in (m, ModelSpec.of(m.name, base_kwargs, convert))]
         report = param_efficiency_report(models, results, base_kwargs, args.throughput,
                                          args.throughput_batch, args.detail,
                                          log=lambda m: print(m, file=sys.stderr),

@@ -39,7 +39,8 @@ def _pct(value: int, base: int) -> float:
 def accounting_columns(spec: ModelSpec, acc: Accounting, base_spec: ModelSpec, base: Accounting) -> Dict[str, Any]:
     """Parameters and MACs of ``spec`` and how much more they are than its baseline's."""
     return {
-        "model": spec.name, "model_kwargs": spec.kwargs_dict, "family": spec.family,
+        "model": spec.name, "model_kwargs": spec.kwargs_dict, "convert": spec.convert_dict,
+        "family": spec.family,
         "input_size": list(acc.input_shape[1:]), "params": acc.params, "macs": acc.macs,
         "gmacs": round(acc.gmacs, 4), "baseline": base_spec.name,
         "extra_params_pct": _pct(acc.params, base.params),

@@ -26,12 +26,19 @@ def _kwargs_text(kwargs: Dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in kwargs.items())
 
 
+def _model_text(row: Dict[str, Any]) -> str:
+    """The model's name; a converted one as ``name`` + DCMHA (dcvit.convert) and its options."""
+    if row.get("convert") is None:
+        return f"`{row['model']}`"
+    return f"`{row['model']}` + DCMHA ({_kwargs_text(row['convert']) or 'default options'})"
+
+
 def _skipped_text(ops: Dict[str, int]) -> str:
     return ", ".join(f"{k.replace('aten::', '')}×{v}" for k, v in ops.items()) or "none"
 
 
 # ---------------------------------------------------------------------------------- CSV
-CSV_COLUMNS = ["model", "model_kwargs", "family", "input_size", "params", "macs", "gmacs", "baseline",
+CSV_COLUMNS = ["model", "model_kwargs", "convert", "family", "input_size", "params", "macs", "gmacs", "baseline",
                "extra_params_pct", "extra_macs_pct", "top1", "top5", "num_samples",
                "throughput_img_s", "baseline_throughput_img_s", "throughput_ratio", "skipped_ops",
                "results"]
@@ -44,6 +51,7 @@ def report_csv(report: Report) -> str:
     for row in report.rows:
         flat = dict(row)
         flat["model_kwargs"] = _kwargs_text(row["model_kwargs"])
+        flat["convert"] = "" if row.get("convert") is None else _kwargs_text(row["convert"]) or "default"
         flat["input_size"] = "x".join(str(v) for v in row["input_size"])
         flat["skipped_ops"] = _skipped_text(row["skipped_ops"])
         writer.writerow(flat)
@@ -62,7 +70,8 @@ def report_json(report: Report, command: str) -> str:
 def measured_section(report: Report) -> List[str]:
     lines = ["## Measured here", "",
              "MACs in fvcore's convention (one multiply-add = one FLOP; matrix products and "
-             "LayerNorms), batch 1. Extra % against the baseline ViT with the same options.", ""]
+             "LayerNorms), batch 1. Extra % against the baseline ViT with the same options (a "
+             "model converted to DCMHA: against the original).", ""]
     has_acc = any("top1" in r for r in report.rows)
     has_speed = any("throughput_img_s" in r for r in report.rows)
     head = ["model", "options", "input", "params", "extra params", "GMACs", "extra MACs"]
@@ -70,7 +79,7 @@ def measured_section(report: Report) -> List[str]:
     head += ["img/s", "img/s vs baseline"] if has_speed else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report.rows:
-        cells = [f"`{r['model']}`", _kwargs_text(r["model_kwargs"]), "x".join(map(str, r["input_size"])),
+        cells = [_model_text(r), _kwargs_text(r["model_kwargs"]), "x".join(map(str, r["input_size"])),
                  f"{r['params']:,}", f"{r['extra_params_pct']:+.2f} %", f"{r['gmacs']:.3f}",
                  f"{r['extra_macs_pct']:+.2f} %"]
         if has_acc:
@@ -94,7 +103,7 @@ def measured_section(report: Report) -> List[str]:
 def skipped_section(report: Report) -> List[str]:
     lines = ["### Ops fvcore skipped (not counted in MACs)", "",
              "| model | options | skipped ops (occurrences) |", "|---|---|---|"]
-    return lines + [f"| `{r['model']}` | {_kwargs_text(r['model_kwargs'])} | {_skipped_text(r['skipped_ops'])} |"
+    return lines + [f"| {_model_text(r)} | {_kwargs_text(r['model_kwargs'])} | {_skipped_text(r['skipped_ops'])} |"
                     for r in report.rows]
 
 

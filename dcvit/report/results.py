@@ -40,4 +40,8 @@ def results_spec(data: Dict[str, Any], base_kwargs: Dict[str, Any]) -> ModelSpec
     kwargs = dict(base_kwargs)
     kwargs.update({k: data[k] for k in _RESULT_KWARGS if data.get(k) is not None})
     kwargs.update(data.get("model_kwargs") or {})
-    return ModelSpec.of(data["model"], kwargs)
+    convert = data.get("convert")   # {"layers": ..., "options": {...}} of a converted run
+    if isinstance(convert, dict):
+        convert = {**(convert.get("options") or {}),
+                   **({"layers": convert["layers"]} if convert.get("layers") is not None else {})}
+    return ModelSpec.of(data["model"], kwargs, convert if isinstance(convert, dict) else None)
