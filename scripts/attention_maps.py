@@ -86,13 +86,17 @@ def read_run_config(checkpoint: Path, state: Dict[str, Any]) -> Dict[str, Any]:
         if not isinstance(cfg, dict):
             raise ValueError(f"{config} does not hold a YAML mapping")
         data = cfg.get("data") or {}
+        convert = cfg.get("convert") or {}
         out = {"source": str(config), "model": cfg.get("model"),
                "model_kwargs": dict(cfg.get("model_kwargs") or {}),
-               "num_classes": data.get("num_classes"), "mean": data.get("mean"), "std": data.get("std")}
+               "num_classes": data.get("num_classes"), "mean": data.get("mean"), "std": data.get("std"),
+               "convert": ({"layers": convert.get("layers"), "options": convert.get("options") or {}}
+                           if convert.get("enabled") else None)}
     elif isinstance(state.get("arch"), dict):
         arch = state["arch"]
         out = {"source": f"{checkpoint} (arch)", "model": arch.get("model"),
-               "model_kwargs": dict(arch.get("model_kwargs") or {}), "num_classes": arch.get("num_classes")}
+               "model_kwargs": dict(arch.get("model_kwargs") or {}), "num_classes": arch.get("num_classes"),
+               "convert": arch.get("convert")}
     else:
         return {}
     return {k: v for k, v in out.items() if v is not None}
@@ -121,11 +125,15 @@ def resolve_model(model: Optional[str], model_kwargs: Dict[str, Any], checkpoint
 
 
 def build_model(name: str, kwargs: Dict[str, Any], checkpoint: Optional[Path], ema: bool = False,
-                state: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
+                state: Optional[Dict[str, Any]] = None,
+                convert: Optional[Dict[str, Any]] = None) -> torch.nn.Module:
     """``timm.create_model(name, **kwargs)`` with the checkpoint's weights (its EMA weights
-    with ``ema``), in eval mode."""
+    with ``ema``), in eval mode; with ``convert`` (a converted run's ``{"layers", "options"}``)
+    converted to DCMHA before the weights load."""
     torch.manual_seed(0)  # an untrained model is the same on every run
     model = timm.create_model(name, **kwargs)
+    if convert:
+        dcvit.convert(model, layers=convert.get("layers"), **(convert.get("options") or {}))
     if checkpoint is not None:
         if not ema:
             dcvit.load_weights(model, checkpoint)
@@ -283,7 +291,7 @@ def main(argv=None) -> int:
         run = read_run_config(args.checkpoint, state) if args.checkpoint is not None else {}
         name, kwargs = resolve_model(args.model, parse_kwargs(args.model_kwargs),
                                      args.checkpoint, state)
-        model = build_model(name, kwargs, args.checkpoint, args.ema, state)
+        model = build_model(name, kwargs, args.checkpoint, args.ema, state, run.get("convert"))
         pic, x = load_image(model, args.image, args.digit, run.get("mean"), run.get("std"))
         maps = query_maps(model, x, args.layer, args.query)
     except (ValueError, FileNotFoundError, TypeError) as e:

@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "upcycle", help="run directory")
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "digits", help="data directory")
     parser.add_argument("--epochs", type=int, default=10, help="fine-tuning epochs of each arm")
+    parser.add_argument("--pretrain-epochs", type=int, default=None,
+                        help="epochs of the ViT's pretraining (default: the quick start's)")
     parser.add_argument("--nproc", type=int, default=2, help="processes per run (torchrun)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="fine-tuning config overrides")
@@ -64,7 +66,8 @@ def main(argv=None) -> int:
 
     pre_dir = args.out / MODEL
     if not (pre_dir / "eval.json").is_file():
-        quickstart.train(MODEL, shards, args.out, args.nproc, args.seed, [])
+        pre = [] if args.pretrain_epochs is None else [f"epochs={args.pretrain_epochs}", "sched.warmup_epochs=0"]
+        quickstart.train(MODEL, shards, args.out, args.nproc, args.seed, pre)
     checkpoint = sorted(pre_dir.glob("ckpt-*.pth"))[-1]
     weights = args.out / "pretrained.safetensors"
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]

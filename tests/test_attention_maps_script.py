@@ -214,3 +214,20 @@ def test_pre_compose_only_and_register_tokens():
     rec = dcvit.attention_maps(model, x)[-1]
     after = rec["scores_after"][0, :, 0].softmax(-1)                     # (H, N), CLS query
     torch.testing.assert_close(torch.from_numpy(maps["after"]).reshape(3, 16), after[:, 3:])
+
+
+def test_checkpoint_of_a_converted_run(tmp_path):
+    """A fine-tuning run's checkpoint of a ViT converted to DCMHA: converted again from its arch."""
+    model = dcvit.convert(timm.create_model("vit_tiny_patch16_224", num_classes=10, **TINY), init="paper").eval()
+    arch = {"model": "vit_tiny_patch16_224", "model_kwargs": TINY, "num_classes": 10,
+            "convert": {"layers": None, "options": {}}}
+    ckpt = tmp_path / "ckpt-e0001-u00000010.pth"
+    torch.save({"model": model.state_dict(), "ema": None, "arch": arch}, ckpt)
+    state = dcvit.read_state_dict(ckpt)
+    run = am.read_run_config(ckpt, state)
+    name, kwargs = am.resolve_model(None, {}, ckpt, state)
+    rebuilt = am.build_model(name, kwargs, ckpt, state=state, convert=run["convert"])
+    _, x = am.load_image(model, None, 2)
+    torch.testing.assert_close(rebuilt(x), model(x))
+    maps = am.query_maps(rebuilt, x, -1, None)
+    assert maps["before"].shape == maps["after"].shape

@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = "dcvit-report " + " ".join(sys.argv[1:] if argv is None else argv)
     paths = write_report(report, args.out, command)
     for r in report.rows:
-        print(f"{str(ModelSpec.of(r['model'], r['model_kwargs'])):50s} params {r['params']:>12,} "
+        print(f"{str(ModelSpec.of(r['model'], r['model_kwargs'], r.get('convert'))):50s} params {r['params']:>12,} "
               f"({r['extra_params_pct']:+.2f} %)  MACs {r['macs']:>15,} ({r['extra_macs_pct']:+.2f} %)"
               + (f"  top-1 {r['top1']:.2f}" if "top1" in r else ""))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
