@@ -153,6 +153,11 @@ class BigVisionViT(VisionTransformer):
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
 
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """As big_vision's ``wd_mults`` (kernels only): also no decay on ``qkw`` and the static matrices."""
+        return set(super().no_weight_decay()) | {"*.dynamic_weights.qkw", "*.static"}
+
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Average pool, ``pre_logits`` (Linear+tanh), head; ``pre_logits=True`` stops before the head."""
         x = self.pool(x)

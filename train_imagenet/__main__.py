@@ -29,6 +29,7 @@ from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_
 from .finetune import (apply_conversion, arch_entry, conversion_to_apply, param_group_fn,
                        pretrained_kwargs)
 from .logs import RunLog
+from .mixup import RollMixup
 
 __all__ = ["main", "run"]
 
@@ -230,13 +231,20 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         opt_kwargs["betas"] = tuple(cfg.optim.betas)
     if cfg.optim.eps:
         opt_kwargs["eps"] = cfg.optim.eps
+    weight_decay = cfg.optim.weight_decay
+    if cfg.optim.decoupled_weight_decay is not None:   # AdamW decays by lr_t·wd: wd = wd_abs / lr
+        weight_decay = cfg.optim.decoupled_weight_decay / lr
     if cfg.convert.enabled:  # the DCMHA parameters: their own lr multiplier and weight decay
-        opt_kwargs["param_group_fn"] = param_group_fn(cfg, cfg.optim.weight_decay)
-    optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=cfg.optim.weight_decay,
+        opt_kwargs["param_group_fn"] = param_group_fn(cfg, weight_decay)
+    optimizer = create_optimizer_v2(model, opt=cfg.optim.opt, lr=lr, weight_decay=weight_decay,
                                     momentum=cfg.optim.momentum, **opt_kwargs)
     updates_per_epoch = train.batches_per_epoch // cfg.accum_steps
+    warmup_epochs = cfg.sched.warmup_epochs
+    if cfg.sched.warmup_steps is not None:             # timm counts warm-up in epochs
+        warmup_epochs = cfg.sched.warmup_steps / max(updates_per_epoch, 1)
     scheduler, _ = create_scheduler_v2(optimizer, sched=cfg.sched.sched, num_epochs=cfg.epochs,
-                                       warmup_epochs=cfg.sched.warmup_epochs,
+                                       warmup_epochs=warmup_epochs,
+                                       warmup_prefix=cfg.sched.warmup_prefix,
                                        warmup_lr=cfg.sched.warmup_lr, min_lr=cfg.sched.min_lr,
                                        cooldown_epochs=cfg.sched.cooldown_epochs,
                                        step_on_epochs=False, updates_per_epoch=updates_per_epoch)
@@ -247,6 +255,9 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         mixup = Mixup(mixup_alpha=a.mixup, cutmix_alpha=a.cutmix, prob=a.mixup_prob,
                       switch_prob=a.mixup_switch_prob, mode=a.mixup_mode,
                       label_smoothing=a.smoothing, num_classes=cfg.data.num_classes)
+        loss_fn = SoftTargetCrossEntropy()
+    elif a.bv_mixup > 0:
+        mixup = RollMixup(a.bv_mixup, cfg.data.num_classes, a.smoothing)
         loss_fn = SoftTargetCrossEntropy()
     elif a.smoothing > 0:
         loss_fn = LabelSmoothingCrossEntropy(a.smoothing)
@@ -343,7 +354,7 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
                                 f"{find_latest(run_dir) or 'none (none was saved yet)'}") from e
         update, start_batch, rng_state = stats.pop("updates"), 0, None
         record: Dict[str, Any] = {"epoch": epoch, **stats}
-        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or epoch + 1 in cfg.eval_epochs:
             metrics = evaluate(model, val, cfg.data.num_classes, device, cfg.amp)
             record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
             if ema is not None:
@@ -355,6 +366,12 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         if total_skipped:
             _log(info, f"epoch {epoch}: skipped {total_skipped} corrupt samples")
         last_path = save(epoch + 1, 0, update) or last_path
+        if info.is_main and epoch + 1 in cfg.eval_epochs:   # e.g. the paper's epoch-90 numbers
+            write_json(os.path.join(run_dir, f"eval-e{epoch + 1:04d}.json"),
+                       {**_result(cfg, metrics, last_path, False), "epoch": epoch + 1})
+            if ema_metrics is not None:
+                write_json(os.path.join(run_dir, f"eval_ema-e{epoch + 1:04d}.json"),
+                           {**_result(cfg, ema_metrics, last_path, True), "epoch": epoch + 1})
         runlog.epoch(record)
         _log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in record.items()))

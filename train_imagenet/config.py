@@ -59,6 +59,9 @@ class AugConfig:
     mixup_switch_prob: float = 0.5
     mixup_mode: str = "batch"
     smoothing: float = 0.1                # label smoothing
+    bv_mixup: float = 0.0                 # big_vision's mixup: one a ~ Beta(p, p) per batch,
+                                          # a = max(a, 1 - a), each image mixed with its
+                                          # neighbour; the value is p (0 = off)
     repeated_aug: int = 1                 # DeiT repeated augmentation (3 in the DeiT recipe)
 
 
@@ -68,6 +71,9 @@ class OptimConfig:
     lr: float = 5e-4                      # learning rate at global batch `lr_batch_size`
     lr_batch_size: Optional[int] = 512    # linear scaling reference; null = use lr as given
     weight_decay: float = 0.05            # not applied to biases, norms, pos/cls tokens
+    decoupled_weight_decay: Optional[float] = None   # big_vision's `wd`: decay not scaled by
+                                          # lr (p -= sched(t)·wd·p); sets the optimizer's
+                                          # weight_decay to wd / lr (needs weight_decay: 0)
     betas: Optional[List[float]] = None
     eps: Optional[float] = None
     momentum: float = 0.9
@@ -79,6 +85,8 @@ class OptimConfig:
 class SchedConfig:
     sched: str = "cosine"
     warmup_epochs: float = 5
+    warmup_steps: Optional[int] = None    # warm-up in optimizer updates (needs warmup_epochs: 0)
+    warmup_prefix: bool = False           # True: the decay starts after the warm-up (big_vision)
     warmup_lr: float = 1e-6
     min_lr: float = 1e-5
     cooldown_epochs: int = 0
@@ -136,6 +144,8 @@ class Config:
     checkpoint: str = ""                  # weights to evaluate (eval_only) or to start from
     eval_only: bool = False
     eval_every: int = 1                   # epochs between evaluations (the last always runs)
+    eval_epochs: List[int] = field(default_factory=list)   # also evaluate after these epochs and
+                                          # write eval-eNNNN.json (e.g. [90, 300])
     save_every_steps: int = 0             # also checkpoint every N updates inside an epoch
     keep_checkpoints: int = 2
     log_every: int = 50                   # updates between progress-bar refreshes
@@ -161,6 +171,25 @@ class Config:
             raise ConfigError(f"batch_size={self.batch_size} must be even for mixup/cutmix "
                               f"(timm.data.Mixup pairs samples); use {self.batch_size + 1} "
                               f"or set aug.mixup=0 aug.cutmix=0")
+        if self.aug.bv_mixup < 0:
+            raise ConfigError(f"aug.bv_mixup={self.aug.bv_mixup!r} is the Beta parameter p and must be >= 0")
+        if self.aug.bv_mixup > 0 and (self.aug.mixup > 0 or self.aug.cutmix > 0):
+            raise ConfigError(f"aug.bv_mixup={self.aug.bv_mixup} and timm's mixup/cutmix "
+                              f"(aug.mixup={self.aug.mixup}, aug.cutmix={self.aug.cutmix}) are both on; "
+                              f"set aug.mixup=0 aug.cutmix=0 or aug.bv_mixup=0")
+        if self.optim.decoupled_weight_decay is not None and self.optim.weight_decay:
+            raise ConfigError(f"optim.decoupled_weight_decay={self.optim.decoupled_weight_decay} replaces "
+                              f"optim.weight_decay={self.optim.weight_decay}; set optim.weight_decay=0")
+        if self.sched.warmup_steps is not None:
+            if self.sched.warmup_steps < 0:
+                raise ConfigError(f"sched.warmup_steps={self.sched.warmup_steps!r} must be >= 0")
+            if self.sched.warmup_epochs:
+                raise ConfigError(f"sched.warmup_steps={self.sched.warmup_steps} and "
+                                  f"sched.warmup_epochs={self.sched.warmup_epochs} both set the warm-up; "
+                                  f"set sched.warmup_epochs=0")
+        bad = [e for e in self.eval_epochs if not 1 <= e <= self.epochs]
+        if bad:
+            raise ConfigError(f"eval_epochs={self.eval_epochs}: {bad} not in [1, epochs={self.epochs}]")
         if not isinstance(self.model_kwargs, dict):
             raise ConfigError(f"model_kwargs={self.model_kwargs!r} must be a mapping, "
                               f"e.g. model_kwargs='{{img_size: 32, patch_size: 4}}'")
