@@ -8,10 +8,11 @@ only q, k, v and the matrices and recomputes the (B, H, T, S) maps in backward, 
 
 * ``"cpp"``:    the C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64: the whole core,
   products included, flash-style per batch element and block of queries on each thread;
-* ``"triton"``: forward rows in a Triton kernel (`dcvit.kernels.compose_triton`), CUDA;
+* ``"triton"``: the whole core, forward and backward, in Triton kernels
+  (`dcvit.kernels.triton_core`), CUDA: its own custom op, ``dcvit::triton_attention``;
 * ``"torch"``:  the same maths in PyTorch ops (any device).
 
-The last two (and "cpp" for bf16 inputs or when the weights themselves are returned) run
+"torch" (and "cpp" for bf16 inputs or when the weights themselves are returned) run
 over tiles of (batch, queries) of about 2 MiB (`TILE_ELEMENTS`, `_tiles`): q k^T and p v by
 ``baddbmm`` around the rows (all heads of one query together). Two more cores skip the
 custom op:
@@ -26,7 +27,7 @@ custom op:
 """
 import contextlib
 import ctypes
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,7 +36,7 @@ from .kernels import compose_cpu
 from .matrices import ComposeMatrices, mix, mix_fusable
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "TILE_ELEMENTS", "composed_attention",
-           "composed_attention_compile"]
+           "composed_attention_compile", "CUDA_MEASURED"]
 
 IMPLS = ("auto", "reference", "torch", "cpp", "triton", "compile")
 
@@ -74,22 +75,26 @@ def select_impl(layer_impl: str, q: Tensor, training: bool = False) -> str:
     FX or ``torch.jit.trace`` tracing (fvcore traces) -> ``reference`` whatever is forced,
     so that the trace records every op rather than one opaque fused call. Otherwise the
     forced core (context, then layer) or, for ``auto``: inside ``torch.compile`` -> ``cpp``
-    on CPU when the kernel builds (a custom op the graph keeps), else ``compile``; CUDA ->
-    ``triton`` when Triton imports; CPU -> ``cpp`` when the kernel builds; otherwise
-    ``torch``. A core that cannot take ``q`` becomes ``torch``: ``cpp`` for dtypes other
-    than float32/float64/bfloat16 or when the kernel did not build, ``triton`` (float32
-    rows) for float64. ``cpp`` on a non-CPU device is an error.
+    on CPU when the kernel builds (a custom op the graph keeps), on CUDA the measured core
+    (`CUDA_MEASURED`) or else ``compile``; CUDA eager -> the measured core, or else
+    ``triton`` when its kernels pass their one-time check on this device
+    (`triton_core.works_on`), or else ``torch``; CPU -> ``cpp`` when the kernel builds;
+    otherwise ``torch``. A core that cannot take ``q`` becomes ``torch``: ``cpp`` for dtypes
+    other than float32/float64/bfloat16 or when the kernel did not build, ``triton`` for
+    float64 or more than 16 heads. ``cpp`` on a non-CPU device is an error.
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
     if _is_fx_tracing() or torch.jit.is_tracing():
         return "reference"
     cpu = q.device.type == "cpu"
+    cuda = q.device.type == "cuda"
     if name == "auto":
         if torch.compiler.is_compiling():
-            name = "cpp" if cpu and compose_cpu.available() else "compile"
-        elif q.device.type == "cuda" and _triton().available():
-            name = "triton"
+            name = (_cuda_measured(q, "compile") if cuda else None) or (
+                "cpp" if cpu and compose_cpu.available() else "compile")
+        elif cuda:
+            name = _cuda_measured(q, "eager") or ("triton" if _triton().works_on(q) else "torch")
         else:
             name = "cpp" if cpu and compose_cpu.available() else "torch"
     if name == "cpp":
@@ -98,16 +103,34 @@ def select_impl(layer_impl: str, q: Tensor, training: bool = False) -> str:
                              "use 'triton' or 'torch'")
         if q.dtype not in (torch.float32, torch.float64, torch.bfloat16) or not compose_cpu.available():
             return "torch"
-    if name == "triton" and q.dtype == torch.float64:
-        return "torch"                                                       # float32 rows
+    if name == "triton" and (q.dtype == torch.float64 or q.shape[1] > _triton().MAX_HEADS):
+        return "torch"
     return name
 
 
+# The CUDA cores chosen from `scripts/gpu_check.sh` figures (the fastest training step at
+# bf16, batch 256, for DCViT-S/16 and B/16), by GPU: a substring of
+# torch.cuda.get_device_name() -> {"eager": core, "compile": core}. A GPU without an entry
+# gets the safest core (docs/performance.md, "On CUDA").
+CUDA_MEASURED: Dict[str, Dict[str, str]] = {}
+
+
+def _cuda_measured(q: Tensor, mode: str) -> Optional[str]:
+    """The core measured fastest on q's GPU in ``mode`` ("eager" or "compile"), or None."""
+    if not CUDA_MEASURED:
+        return None
+    name = torch.cuda.get_device_name(q.device)
+    for key, cores in CUDA_MEASURED.items():
+        if key in name and mode in cores:
+            return cores[mode]
+    return None
+
+
 def _triton():
-    """`dcvit.kernels.compose_triton`, imported on first use (importing Triton takes about a
+    """`dcvit.kernels.triton_core`, imported on first use (importing Triton takes about a
     second, and only CUDA runs it)."""
-    from .kernels import compose_triton
-    return compose_triton
+    from .kernels import triton_core
+    return triton_core
 
 
 # ------------------------------------------------------------------------------ tiles
@@ -475,8 +498,6 @@ def _matrices_for(impl: str, btH: Tuple[int, int, int], dtype: torch.dtype,
 def _rows_forward(impl: str, s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
     if impl == "cpp":
         return _rows_forward_cpp(s0, mask, pre, post)
-    if impl == "triton":
-        return _triton().rows_forward(s0, mask, pre, post)
     return _rows_forward_torch(s0, mask, pre, post)
 
 
@@ -546,6 +567,11 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     """
     if impl not in _CORE_IMPLS:
         raise ValueError(f"composed_attention runs the cores {_CORE_IMPLS}, got {impl!r}")
+    if impl == "triton":
+        if v is not None:
+            return _triton().composed_attention(q, k, v, mask, (mats.pre_q, mats.pre_k),
+                                                (mats.post_q, mats.post_k), float(scale))
+        impl = "torch"                  # the weights themselves (attention dropout): torch rows
     out = _attention_op(q, k, v, mask, *mats, impl, float(scale))
     return out if v is None else out.transpose(1, 2)
 

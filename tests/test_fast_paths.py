@@ -4,13 +4,8 @@ The reference is DCMHA's ``reference`` core (one `Compose` call per stage, `dcvi
 maths); the fast cores are checked against it in float64 (outputs, input gradients and the
 gradient of every parameter), against finite differences (gradcheck), and under the
 conditions the model meets in use: masks, causal attention, dropout, bf16 autocast,
-TorchScript, FX and torch.compile.
+TorchScript, FX and torch.compile. The Triton core has its own file, tests/test_triton_core.py.
 """
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import timm
 import torch
@@ -471,52 +466,6 @@ def test_torch_compile_inductor_matches_reference():
     x = torch.randn(2, 7, 24)
     compiled = torch.compile(layer, fullgraph=True)
     _assert_same(_run(layer, x, "reference"), _run(compiled, x, "auto"), atol=1e-5, rtol=1e-5)
-
-
-# ------------------------------------------------------------------------- Triton
-
-def test_triton_kernel_under_interpreter():
-    """The Triton rows kernel and the Function through it, on CPU under TRITON_INTERPRET=1."""
-    pytest.importorskip("triton")
-    code = textwrap.dedent("""
-        import torch, dcvit
-        from dcvit import fused
-        from dcvit.fused import attention_impl
-        from dcvit.kernels import compose_triton
-        g = torch.Generator().manual_seed(0)
-        B, H, T = 2, 3, 5
-        s0 = torch.randn(B, H, T, T, generator=g)
-        mq, mk = torch.randn(B, T, H, H, generator=g), torch.randn(B, T, H, H, generator=g)
-        mask = torch.where(torch.rand(1, 1, T, T, generator=g) > 0.3, 0.0, float("-inf"))
-        mask[..., 0] = 0.0
-        mask = mask.expand(B, H, T, T)
-        for pre, post, m in [((mq, mk), (mq, mk), None), ((mq, None), (None, None), mask),
-                             ((None, None), (mq[:1, :1], mk), mask)]:
-            want = fused._rows_forward_torch(s0, m, pre, post)
-            got = compose_triton.rows_forward(s0, m, pre, post)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        torch.manual_seed(0)
-        layer = dcvit.DCMHA(12, 3)
-        with torch.no_grad():
-            for p in layer.dynamic_weights.parameters():
-                p.normal_(0, 0.3)
-        x = torch.randn(2, 5, 12)
-        outs = []
-        for impl in ("reference", "triton"):
-            xi = x.clone().requires_grad_()
-            layer.zero_grad()
-            with attention_impl(impl):
-                y = layer(xi, is_causal=True)
-            y.square().sum().backward()
-            outs.append((y, xi.grad, layer.dynamic_weights.dw1.grad.clone()))
-        for a, b in zip(*outs):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-        print("ok")
-    """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_jit_trace_selects_the_reference_core():

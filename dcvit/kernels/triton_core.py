@@ -1,0 +1,262 @@
+"""The fused DCMHA attention core on CUDA: launches `dcvit.kernels.triton_attention`.
+
+``composed_attention(q, k, v, mask, pre, post, scale)`` computes
+``compose2(softmax(compose1(scale q kᵀ) + mask)) @ v`` (docs/spec.md §1.1) with every
+stage given as per-token H×H matrices ``(mq, mk)`` (`dcvit.matrices`): one Triton launch
+forward, two backward, whatever the batch size and sequence length. It is a
+``torch.library`` custom op, ``dcvit::triton_attention`` (output (B, T, H, D) and the
+per-head row log-sum-exp (B, H, T), saved for backward instead of any (B, H, T, S) map),
+with its own backward op, so ``torch.compile`` keeps it as one node.
+
+Operands: q, k, v (B, H, N, D) on any strides, float32/bfloat16/float16 (products in that
+dtype with float32 accumulation; float32 products in full precision, not TF32); the
+matrices are float32 (cast otherwise), ``mq`` (B|1, T|1, H, H), ``mk`` (B, S, H, H); the
+mask additive, broadcastable to (B, H, T, S). Up to `MAX_HEADS` heads, any N (keys are
+processed in blocks).
+
+With ``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run on CPU
+tensors in Triton's interpreter: slow, and meant for tests on machines without a GPU. This module never imports the dispatcher (`dcvit.fused`).
+"""
+from types import ModuleType
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "composed_attention", "attention_forward", "attention_backward",
+           "block_sizes", "MAX_HEADS"]
+
+MAX_HEADS = 16
+Stage = Tuple[Optional[Tensor], Optional[Tensor]]
+
+try:
+    import triton
+except Exception:  # noqa: BLE001  (triton missing or broken: `available()` says so)
+    triton = None
+
+
+def available() -> bool:
+    """Whether Triton imports (the kernels compile on first use)."""
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` was set before
+    triton was imported): then the kernels take CPU tensors."""
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _kernels(device: torch.device) -> ModuleType:
+    """The kernel module, checked against the operands' device."""
+    if triton is None:
+        raise RuntimeError("the 'triton' attention core needs the triton package; install it "
+                           "or force another core (dcvit.fused.attention_impl('torch'))")
+    if device.type == "cpu" and not interpreted():
+        raise RuntimeError("the 'triton' attention core runs on CUDA tensors; on CPU only under "
+                           "Triton's interpreter (TRITON_INTERPRET=1 set before importing triton)")
+    from . import triton_attention
+    return triton_attention
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_sizes(H: int, D: int) -> Dict[str, int]:
+    """Tile sizes: heads and head dim padded to powers of two; 16 queries per block; keys per
+    block such that a (heads, queries, keys) fp32 tile holds about 4096 elements."""
+    HP, DP = _next_pow2(H), max(16, _next_pow2(D))
+    return dict(HP=HP, DP=DP, BT=16, BS=max(16, min(128, 4096 // (HP * 16))))
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
+    B, H, T, D = q.shape
+    if H > MAX_HEADS:
+        raise ValueError(f"the Triton attention core takes up to {MAX_HEADS} heads, got {H}; "
+                         "force the 'torch' core for more")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"the Triton attention core takes float32/bfloat16/float16, got {q.dtype}; "
+                         "use the 'torch' core for float64")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != (B, H, k.shape[2], D) or v.shape != k.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected "
+                         "(B, H, T, D), (B, H, S, D), (B, H, S, D)")
+
+
+def _matrix_strides(mats: Sequence[Optional[Tensor]]) -> List[int]:
+    """Per matrix: batch, token, g and h strides; 0 where broadcast or absent."""
+    out: List[int] = []
+    for m in mats:
+        out += [0, 0, 0, 0] if m is None else [
+            0 if m.shape[0] == 1 else m.stride(0), 0 if m.shape[1] == 1 else m.stride(1),
+            m.stride(2), m.stride(3)]
+    return out
+
+
+def _mask_args(mask: Optional[Tensor], dummy: Tensor) -> List:
+    """The mask's pointer and (b, h, t, s) strides (a dummy pointer when absent)."""
+    return [dummy, 0, 0, 0, 0] if mask is None else [mask, *mask.stride()]
+
+
+def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]],
+           cfg: Dict[str, int]) -> Dict:
+    """The kernels' compile-time arguments."""
+    mq1, mk1, mq2, mk2 = mats
+    return dict(H=q.shape[1], D=q.shape[3], **cfg, HAS_MASK=mask is not None,
+                HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
+                HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's precision: float32 in full ("ieee", not TF32); bf16/fp16 natively, except
+    bf16 in the interpreter, which cannot multiply bf16 tiles ("exact": as float32)."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "exact" if dtype == torch.bfloat16 and interpreted() else "tf32"
+
+
+def _prepare(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
+    B, H, T, _ = q.shape
+    if mask is not None:
+        m = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        m = m.to(torch.float32)
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        mask = m
+    mats = [None if m is None else m.to(torch.float32) for m in mats]
+    return mask, mats
+
+
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                      mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
+                      mk2: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
+    """The core's forward: (output (B, T, H, D), row log-sum-exp (B, H, T) float32)."""
+    _check(q, k, v)
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    mask, (mq1, mk1, mq2, mk2) = _prepare(q, mask, (mq1, mk1, mq2, mk2))
+    if mask is not None:
+        mask = mask.expand(B, H, T, S)
+    out = v.new_empty(B, T, H, D)
+    lse = q.new_empty(B, H, T, dtype=torch.float32)
+    cfg = block_sizes(H, D)
+    o = out.transpose(1, 2)                                                  # (B, H, T, D) view
+    mask_args = _mask_args(mask, lse)
+    mats = (mq1, mk1, mq2, mk2)
+    _kernels(q.device).forward_kernel[(triton.cdiv(T, cfg["BT"]), B)](
+        q, k, v, o, lse, mask_args[0], *(lse if m is None else m for m in mats),
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *mask_args[1:],
+        *_matrix_strides(mats), T, S, float(scale), **_flags(q, mask, mats, cfg))
+    return out, lse
+
+
+def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                       mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
+                       mk2: Optional[Tensor], lse: Tensor, scale: float,
+                       want: Sequence[bool] = (True, True, True, True)) -> List[Optional[Tensor]]:
+    """Gradients for q, k, v, mq1, mk1, mq2, mk2 from the output's gradient ``grad``
+    (B, T, H, D) and the forward's ``lse``; ``want`` skips matrix gradients nobody needs.
+    Matrix gradients come back in each matrix's shape (broadcast dims summed), float32."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    mats_in = (mq1, mk1, mq2, mk2)
+    mask, (mq1, mk1, mq2, mk2) = _prepare(q, mask, mats_in)
+    if mask is not None:
+        mask = mask.expand(B, H, T, S)
+    g = grad.transpose(1, 2)                                                 # (B, H, T, D)
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    mats = (mq1, mk1, mq2, mk2)
+    wq1, wk1, wq2, wk2 = (w and m is not None for w, m in zip(want, mats))
+    dmq1, dmk1, dmq2, dmk2 = (q.new_empty(B, n, H, H, dtype=torch.float32) if w else None
+                              for w, n in ((wq1, T), (wk1, S), (wq2, T), (wk2, S)))
+    delta = torch.empty_like(lse)
+    cfg = block_sizes(H, D)
+    kern = _kernels(q.device)
+    mask_args = _mask_args(mask, lse)
+    mat_ptrs = [lse if m is None else m for m in mats]
+    strides = _matrix_strides(mats)
+    flags = _flags(q, mask, mats, cfg)
+    kern.backward_query_kernel[(triton.cdiv(T, cfg["BT"]), B)](
+        q, k, v, g, lse, delta, dq, lse if dmq1 is None else dmq1, lse if dmq2 is None else dmq2,
+        mask_args[0], *mat_ptrs,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dq.stride(), *mask_args[1:],
+        *strides, T, S, float(scale), **flags, WANT_DMQ1=wq1, WANT_DMQ2=wq2)
+    kern.backward_key_kernel[(triton.cdiv(S, cfg["BS"]), B)](
+        q, k, v, g, lse, delta, dk, dv, lse if dmk1 is None else dmk1, lse if dmk2 is None else dmk2,
+        mask_args[0], *mat_ptrs,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dk.stride(), *mask_args[1:],
+        *strides, T, S, float(scale), **flags, WANT_DMK1=wk1, WANT_DMK2=wk2)
+    return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip((dmq1, dmk1, dmq2, dmk2), mats_in))]
+
+
+def _reduce_to(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
+    """A (B, N, H, H) gradient summed down to a broadcast matrix's shape, in its dtype."""
+    if grad is None or like is None:
+        return None
+    if grad.shape != like.shape:
+        dims = [i for i, (g, l) in enumerate(zip(grad.shape, like.shape)) if l == 1 and g != 1]
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.to(like.dtype)
+
+
+# The core as a custom op with its own backward op: one node in eager mode and under
+# torch.compile. Absent gradients travel as empty tensors.
+
+@torch.library.custom_op("dcvit::triton_attention", mutates_args=())
+def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], mq1: Optional[Tensor],
+                  mk1: Optional[Tensor], mq2: Optional[Tensor], mk2: Optional[Tensor],
+                  scale: float) -> Tuple[Tensor, Tensor]:
+    return attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+
+
+@_attention_op.register_fake
+def _(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
+    B, H, T, D = q.shape
+    return v.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("dcvit::triton_attention_backward", mutates_args=())
+def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
+                           mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
+                           mk2: Optional[Tensor], lse: Tensor, scale: float,
+                           want: List[bool]) -> List[Tensor]:
+    grads = attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, lse, scale, want)
+    return [q.new_empty(0) if g is None else g for g in grads]
+
+
+@_attention_backward_op.register_fake
+def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, lse, scale, want):
+    mats = [m if (m is not None and w) else None for m, w in zip((mq1, mk1, mq2, mk2), want)]
+    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) if t is not None else q.new_empty(0)
+            for t in (q, k, v, *mats)]
+
+
+def _setup(ctx, inputs, output) -> None:
+    q, k, v, mask, mq1, mk1, mq2, mk2, scale = inputs
+    ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2, output[1])
+    ctx.scale = scale
+    ctx.want = [bool(ctx.needs_input_grad[i]) for i in (4, 5, 6, 7)]
+
+
+def _backward(ctx, grad: Tensor, _grad_lse: Optional[Tensor]):
+    q, k, v, mask, mq1, mk1, mq2, mk2, lse = ctx.saved_tensors
+    grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, lse, ctx.scale, ctx.want)
+    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), ctx.want))
+    dq, dk, dv, d1, d2, d3, d4 = [None if t is None else g for g, t in zip(grads, wanted)]
+    return dq, dk, dv, None, d1, d2, d3, d4, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def composed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pre: Stage,
+                       post: Stage, scale: float = 1.0) -> Tensor:
+    """The fused core: (B, H, T, D), a view of a (B, T, H, D) tensor (heads merge for free).
+
+    q, k, v (B, H, N, D); mask additive (broadcast to (B, H, T, S)) or None; pre/post:
+    ``(mq, mk)`` per stage or ``(None, None)`` for an absent stage. Differentiable in q, k,
+    v and the matrices.
+    """
+    out, _ = _attention_op(q, k, v, mask, pre[0], pre[1], post[0], post[1], float(scale))
+    return out.transpose(1, 2)

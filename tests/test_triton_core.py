@@ -1,0 +1,306 @@
+"""The Triton attention core (`dcvit.kernels.triton_core`) equals the attention formula.
+
+Without a GPU the kernels run on CPU in Triton's interpreter (tests/conftest.py sets
+``TRITON_INTERPRET=1``); with one they are compiled and run on CUDA, so the same file is
+the GPU check's kernel test. The reference is the formula of docs/spec.md §1.1 written
+directly (einsum per Compose stage, PyTorch softmax) and evaluated in float64; the kernels
+run in float32 (products in full precision) and must match it to 1e-5 in the output and
+every gradient (q, k, v, each stage's query- and key-side matrices, a static matrix through
+them), on small shapes chosen to hit the kernels' edges: sequence lengths that are not
+multiples of the blocks, T ≠ S, 1 to 16 heads, masks, each optional stage. bf16/fp16
+operands must match the float32 reference within 2e-2 of the largest reference value.
+"""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import dcvit  # noqa: E402
+from dcvit.fused import attention_impl  # noqa: E402
+from dcvit.kernels import triton_core  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu" and not triton_core.interpreted():
+    pytest.skip("no CUDA device and Triton not in interpreter mode", allow_module_level=True)
+
+NAMES = ("q", "k", "v", "mq1", "mk1", "mq2", "mk2")
+
+
+def _mix(a, mq, mk):
+    """``out[b,h,t,s] = Σ_g a[b,g,t,s] (mq[b,t,g,h] + mk[b,s,g,h])`` (docs/spec.md §1.1)."""
+    B, H, T, S = a.shape
+    out = torch.einsum("bgts,btgh->bhts", a, mq.expand(B, T, H, H))
+    if mk is not None:
+        out = out + torch.einsum("bgts,bsgh->bhts", a, mk)
+    return out
+
+
+def reference(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
+    """The core written out: (B, T, H, D)."""
+    a = scale * q @ k.transpose(-1, -2)
+    if mq1 is not None:
+        a = _mix(a, mq1, mk1)
+    if mask is not None:
+        a = a + mask
+    a = a.softmax(-1)
+    if mq2 is not None:
+        a = _mix(a, mq2, mk2)
+    return (a @ v).transpose(1, 2)
+
+
+def _case(B, H, T, S, D, pre=True, post=True, mk=True, mask="float", seed=0, strided=False):
+    """Random operands on DEVICE (float32): q, k, v, mask and the four matrices (None when
+    the stage or its key side is off). ``strided``: q, k, v are views of one qkv tensor."""
+    g = torch.Generator().manual_seed(seed)
+    if strided:
+        assert T == S
+        qkv = torch.randn(B, T, 3, H, D, generator=g).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.to(DEVICE).unbind(0)                                   # (B, H, N, D) views
+    else:
+        q, k, v = (torch.randn(B, H, n, D, generator=g).to(DEVICE) for n in (T, S, S))
+
+    def mats():
+        mq = torch.eye(H) + 0.5 * torch.randn(B, T, H, H, generator=g)
+        mkk = 0.5 * torch.randn(B, S, H, H, generator=g)
+        return mq.to(DEVICE), (mkk.to(DEVICE) if mk else None)
+    mq1, mk1 = mats() if pre else (None, None)
+    mq2, mk2 = mats() if post else (None, None)
+    m = None
+    if mask == "float":                                                      # (T, S), -inf and finite
+        m = torch.where(torch.rand(T, S, generator=g) > 0.3, 0.0, float("-inf"))
+        m[:, 0] = 0.0
+        m = (m + 0.5 * torch.randn(T, S, generator=g)).to(DEVICE)
+    elif mask == "full":                                                     # (B, H, T, S)
+        m = torch.randn(B, H, T, S, generator=g).to(DEVICE)
+    elif mask == "bool":
+        m = torch.rand(B, 1, T, S, generator=g) > 0.4
+        m[..., 0] = True
+        m = m.to(DEVICE)
+    return [q, k, v], m, [mq1, mk1, mq2, mk2]
+
+
+def _additive(mask):
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _grads(fn, inputs, mask, mats, scale, grad_seed=1):
+    """Output and gradients of every present operand, through ``fn``."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    mleaves = [None if m is None else m.detach().clone().requires_grad_() for m in mats]
+    out = fn(*leaves, mask, *mleaves, scale)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out)
+    present = [t for t in leaves + mleaves if t is not None]
+    return out, torch.autograd.grad(out, present, g)
+
+
+def _kernel(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
+    return triton_core.composed_attention(q, k, v, mask, (mq1, mk1), (mq2, mk2), scale).transpose(1, 2)
+
+
+def _reference64(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
+    d = [None if t is None else t.double() for t in (q, k, v, _additive(mask), mq1, mk1, mq2, mk2)]
+    return reference(*d, scale)
+
+
+def _assert_matches(inputs, mask, mats, scale=0.35, atol=1e-5, rtol=1e-5):
+    out, grads = _grads(_kernel, inputs, mask, mats, scale)
+    want, wgrads = _grads(_reference64, inputs, mask, mats, scale)
+    names = [n for n, t in zip(NAMES, inputs + mats) if t is not None]
+    torch.testing.assert_close(out.double(), want.double(), atol=atol, rtol=rtol, msg=lambda m: f"output: {m}")
+    for name, a, b in zip(names, grads, wgrads):
+        torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol, msg=lambda m, n=name: f"d{n}: {m}")
+
+
+# ------------------------------------------------------------------------ float32 == formula
+
+@pytest.mark.parametrize("H", [1, 3, 6, 12, 16])
+def test_all_stages_and_a_mask_any_head_count(H):
+    """T ≠ S, neither a multiple of the 16-row blocks, several key blocks."""
+    T, S = (19, 21) if H >= 12 else (19, 37)
+    _assert_matches(*_case(2 if H < 12 else 1, H, T, S, 8, seed=H))
+
+
+@pytest.mark.parametrize("pre,post,mk", [(True, False, True), (False, True, True), (True, True, False),
+                                         (True, False, False), (False, True, False)],
+                         ids=["pre_only", "post_only", "query_wise_only", "pre_query_only", "post_query_only"])
+def test_each_stage_optional(pre, post, mk):
+    _assert_matches(*_case(2, 3, 17, 23, 8, pre=pre, post=post, mk=mk, seed=3))
+
+
+@pytest.mark.parametrize("mask", [None, "full", "bool"])
+def test_masks(mask):
+    _assert_matches(*_case(2, 3, 18, 18, 8, mask=mask, seed=4))
+
+
+def test_key_wise_only_identity_query_side():
+    """No query-wise terms: mq is the identity broadcast (1, 1, H, H) without a gradient."""
+    inputs, mask, (_, mk1, _, mk2) = _case(2, 3, 9, 13, 8, seed=5)
+    eye = torch.eye(3, device=DEVICE).view(1, 1, 3, 3)
+    out, grads = _grads(_kernel, inputs, mask, [eye, mk1, eye, mk2], 0.5)
+    want, wgrads = _grads(_reference64, inputs, mask, [eye, mk1, eye, mk2], 0.5)
+    torch.testing.assert_close(out.double(), want.double(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads, wgrads):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_static_matrix_folded_into_mq():
+    """Talking-heads: mq = I + W (broadcast), its gradient reaches W (summed over tokens)."""
+    H = 3
+    inputs, mask, (_, mk1, _, _) = _case(2, H, 11, 11, 8, seed=6)
+    w = (0.3 * torch.randn(H, H, generator=torch.Generator().manual_seed(7))).to(DEVICE)
+    got = []
+    for fn in (_kernel, _reference64):
+        wl = w.clone().requires_grad_()
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        mq = (torch.eye(H, device=DEVICE) + wl).view(1, 1, H, H)
+        out = fn(*leaves, mask, mq, mk1, mq, None, 0.4)
+        gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(out)
+        got.append((out, *torch.autograd.grad(out, [wl, *leaves], gout)))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_strided_qkv_views():
+    """q, k, v as the qkv projection leaves them (non-contiguous views), head dim 12 (padded)."""
+    _assert_matches(*_case(2, 3, 13, 13, 12, strided=True, seed=9))
+
+
+def test_matrix_gradients_are_skipped_when_not_needed():
+    """Only requested gradients are computed; the others come back as None."""
+    inputs, mask, mats = _case(1, 3, 9, 9, 8, seed=10)
+    q, k, v = (t.clone().requires_grad_() for t in inputs)
+    out = triton_core.composed_attention(q, k, v, mask, tuple(mats[:2]), tuple(mats[2:]), 0.5)
+    out.sum().backward()
+    assert all(t.grad is not None for t in (q, k, v))
+
+
+# --------------------------------------------------------------------- half precision
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_within_tolerance(dtype):
+    """bf16/fp16 q, k, v (float32 matrices and accumulation) against the float32 formula
+    of the same rounded operands: every value within 2e-2 of the largest reference value."""
+    inputs, mask, mats = _case(2, 6, 19, 21, 16, seed=11)
+    inputs = [t.to(dtype) for t in inputs]
+    out, grads = _grads(_kernel, inputs, mask, mats, 0.25)
+    want, wgrads = _grads(_reference64, [t.float() for t in inputs], mask, mats, 0.25)
+    assert out.dtype == dtype and grads[0].dtype == dtype
+    for name, a, b in zip(("out",) + NAMES, (out,) + tuple(grads), (want,) + tuple(wgrads)):
+        err = (a.double() - b).abs().max().item()
+        assert err <= 2e-2 * b.abs().max().item(), f"{name}: {err} vs max {b.abs().max().item()}"
+
+
+# ------------------------------------------------------------------ through the DCMHA layer
+
+@pytest.mark.parametrize("options", [dict(), dict(static_proj=True, query_wise=False)],
+                         ids=["default", "static_key_wise"])
+def test_dcmha_layer_triton_equals_reference(options):
+    """A whole layer (causal mask) forced onto the Triton core: output, input gradient and
+    the gradient of every parameter (dynamic-weight generator, static matrices) in float32."""
+    torch.manual_seed(0)
+    layer = dcvit.DCMHA(24, 3, qkv_bias=True, **options).to(DEVICE)
+    with torch.no_grad():
+        for p in layer.dynamic_weights.parameters():
+            p.normal_(0, 0.3)
+        for stage in (layer.pre_compose, layer.post_compose):
+            if stage is not None and stage.static is not None:
+                stage.static.normal_(0, 0.3)
+    x = torch.randn(2, 9, 24, device=DEVICE)
+    runs = []
+    for impl in ("reference", "triton"):
+        xi = x.clone().requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        with attention_impl(impl):
+            y = layer(xi, is_causal=True)
+        y.square().sum().backward()
+        runs.append([y, xi.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(*runs):                          # both float32: rounding of each side
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------- launch counts
+
+def _count_launches(monkeypatch):
+    """Count Triton kernel launches (compiled or interpreted: both go through
+    ``KernelInterface.__getitem__``)."""
+    launches = []
+    original = triton.runtime.jit.KernelInterface.__getitem__
+
+    def counted(self, grid):
+        launch = original(self, grid)
+
+        def run(*args, **kwargs):
+            launches.append(getattr(self, "__name__", "?"))
+            return launch(*args, **kwargs)
+        return run
+    monkeypatch.setattr(triton.runtime.jit.KernelInterface, "__getitem__", counted)
+    return launches
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every op that reaches the dispatcher (aten ops and the core's custom ops)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_launch_count_is_fixed(monkeypatch):
+    """One Triton launch forward, two backward, and the same number of ops for the whole
+    DCMHA layer whatever the batch size and sequence length."""
+    launches = _count_launches(monkeypatch)
+    torch.manual_seed(0)
+    layer = dcvit.DCMHA(24, 3).to(DEVICE)
+    counts = {}
+    for B, N in ((1, 5), (3, 37)):
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(B, N, 24, device=DEVICE, requires_grad=True)
+        with attention_impl("triton"):
+            launches.clear()
+            with _OpCounter() as fwd:
+                y = layer(x)
+            fwd_launches = list(launches)
+            launches.clear()
+            with _OpCounter() as bwd:
+                y.sum().backward()
+            bwd_launches = list(launches)
+        counts[(B, N)] = (len(fwd.ops), len(bwd.ops), fwd_launches, bwd_launches)
+        assert fwd_launches == ["forward_kernel"]
+        assert bwd_launches == ["backward_query_kernel", "backward_key_kernel"]
+        assert "dcvit.triton_attention.default" in fwd.ops
+        assert "dcvit.triton_attention_backward.default" in bwd.ops
+    assert counts[(1, 5)] == counts[(3, 37)], counts
+
+
+# ---------------------------------------------------------------- custom op and compile
+
+def test_custom_op_passes_opcheck():
+    inputs, mask, mats = _case(1, 3, 7, 9, 8, seed=12)
+    inputs = [t.requires_grad_() for t in inputs]
+    mats = [m.requires_grad_() for m in mats]
+    torch.library.opcheck(torch.ops.dcvit.triton_attention.default, (*inputs, mask, *mats, 0.5),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_errors_name_the_fix():
+    q = torch.randn(1, 17, 4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="up to 16 heads"):
+        triton_core.attention_forward(q, q, q, None, None, None, None, None, 1.0)
+    q = torch.randn(1, 2, 4, 8, device=DEVICE, dtype=torch.float64)
+    with pytest.raises(ValueError, match="float64"):
+        triton_core.attention_forward(q, q, q, None, None, None, None, None, 1.0)
+
+
+# ---------------------------------------------------------------------------- slow tier
+
+@pytest.mark.slow
+def test_vit_small_shape():
+    """ViT-S's real attention shape (6 heads, 197 tokens, head dim 64): 13 query and 7 key
+    blocks, every stage and a mask."""
+    _assert_matches(*_case(1, 6, 197, 197, 64, seed=13), scale=64 ** -0.5, atol=2e-5, rtol=2e-5)
