@@ -12,9 +12,12 @@ then ViT, DCViT, ...), after warm-up, same batch, dtype and threads; a figure is
 the median step times (throughput ratio = ViT time / DCViT time). Training steps are
 forward + cross-entropy + backward + AdamW. Peak memory is measured in a fresh process per
 model (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over training steps at
-``--mem-batch-size``. ``--convert [KEY=VALUE ...]`` times ``--model`` converted to DCMHA
-(`dcvit.convert` with those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic fast core) against the
-plain formulation of SPEC §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
+``--mem-batch-size``, per dtype and, with ``--memory-backends eager,compile``, compiled too.
+``--impl`` forces DCMHA's attention core in every figure (``triton``, ``compile``, ``torch``
+on CUDA; ``cpp``, ``torch``, ``compile`` on CPU), so that cores can be compared.
+``--convert [KEY=VALUE ...]`` times ``--model`` converted to DCMHA (`dcvit.convert` with
+those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic
+fast core) against the plain formulation of SPEC §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
 Results go to stdout as a table and to ``--json`` (written atomically).
 """
 import argparse
@@ -93,7 +96,7 @@ def _memory_child(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     model = _build(args.memory_child, args, device, convert=args.convert is not None)
     step = _step_fn(model, "train", DTYPES[args.dtypes.split(",")[0]], device, args.mem_batch_size,
-                    args.img_size, compiled=False)
+                    args.img_size, compiled=args.memory_compiled)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(2):                                                       # AdamW state on step 1
@@ -106,14 +109,16 @@ def _memory_child(args: argparse.Namespace) -> None:
     print(json.dumps({"model": args.memory_child, "peak_bytes": peak}))
 
 
-def _memory(name: str, args: argparse.Namespace, convert: bool = False) -> int:
+def _memory(name: str, args: argparse.Namespace, dtype: str, backend: str, convert: bool = False) -> int:
     cmd = [sys.executable, "-m", "dcvit.benchmark", "--memory-child", name, "--device", args.device,
            "--mem-batch-size", str(args.mem_batch_size), "--img-size", str(args.img_size),
-           "--dtypes", "fp32", "--threads", str(args.threads), "--impl", args.impl]
+           "--dtypes", dtype, "--threads", str(args.threads), "--impl", args.impl]
     if convert:
         cmd += ["--convert", *(args.convert or [])]
     if args.depth:
         cmd += ["--depth", str(args.depth)]
+    if backend == "compile":
+        cmd += ["--memory-compiled"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"memory measurement of {name} failed:\n{proc.stderr[-2000:]}")
@@ -169,7 +174,7 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
     out: Dict[str, Any] = {"model": args.model, "baseline": baseline, "figures": {}}
     if converting:
         out["convert"] = _convert_options(args)
-    backends = ["eager"] + ([] if args.no_compile else ["compile"])
+    backends = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
     for backend in backends:
         for dname in args.dtypes.split(","):
             for mode in args.modes.split(","):
@@ -186,10 +191,17 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
                       f"ratio {r['ratio']:.3f}", flush=True)
                 del a, b, fa, fb
     if not args.no_memory:
-        da, db = _memory(args.model, args, converting), _memory(baseline, args)
-        out["figures"][f"memory/fp32/eager/b{args.mem_batch_size}"] = {
-            "dcvit_bytes": da, "vit_bytes": db, "ratio": da / db, "mode": "memory",
-            "kind": "peak_rss" if device.type == "cpu" else "cuda_max_allocated"}
+        for backend in args.memory_backends.split(","):
+            for dname in args.dtypes.split(","):
+                da = _memory(args.model, args, dname, backend, converting)
+                db = _memory(baseline, args, dname, backend)
+                key = f"memory/{dname}/{backend}/b{args.mem_batch_size}"
+                out["figures"][key] = {
+                    "dcvit_bytes": da, "vit_bytes": db, "ratio": da / db, "mode": "memory",
+                    "dtype": dname, "backend": backend,
+                    "kind": "peak_rss" if device.type == "cpu" else "cuda_max_allocated"}
+                print(f"  {key:<28} DCViT {da / 2**20:8.0f} MiB ViT {db / 2**20:8.0f} MiB  "
+                      f"ratio {da / db:.3f}", flush=True)
     return out
 
 
@@ -222,12 +234,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="inference,train", help="comma list of inference,train")
     p.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16 (bf16 = autocast)")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile figures")
+    p.add_argument("--compile-only", action="store_true", help="only the torch.compile timings")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory figure")
     p.add_argument("--steps", type=int, default=9, help="timed steps per model (median)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per model first")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--impl", default="auto", help="force DCMHA's attention core (dcvit.fused.IMPLS)")
+    p.add_argument("--impl", default="auto", help="force DCMHA's attention core (dcvit.fused.IMPLS): "
+                   "auto, triton (CUDA), cpp (CPU), torch, compile, reference")
+    p.add_argument("--memory-backends", default="eager",
+                   help="comma list of eager,compile: peak memory of each (one figure per --dtypes)")
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
     p.add_argument("--layer", action="store_true", help="time one DCMHA layer instead of models")
     p.add_argument("--tokens", type=int, default=197, help="--layer: sequence length N")
@@ -237,6 +253,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="time --model converted to DCMHA (dcvit.convert with these DCMHA options, "
                         "e.g. rank=2) against --model itself")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--memory-compiled", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
@@ -254,6 +271,9 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     for d in args.dtypes.split(","):
         if d not in DTYPES:
             raise SystemExit(f"dcvit-bench: unknown dtype {d!r} in --dtypes; choose from {sorted(DTYPES)}")
+    for b in args.memory_backends.split(","):
+        if b not in ("eager", "compile"):
+            raise SystemExit(f"dcvit-bench: unknown backend {b!r} in --memory-backends; choose from eager,compile")
     for m in args.modes.split(","):
         if m not in ("inference", "train"):
             raise SystemExit(f"dcvit-bench: unknown mode {m!r} in --modes; choose from inference,train")
@@ -270,7 +290,8 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     meta = {"device": str(device), "threads": torch.get_num_threads(), "img_size": args.img_size,
             "torch": torch.__version__, "platform": platform.platform(),
             "argv": list(argv) if argv is not None else sys.argv[1:],
-            "steps": args.steps, "warmup": args.warmup}
+            "steps": args.steps, "warmup": args.warmup, "impl": args.impl,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     if args.layer:
         result = {**meta, **_layer_bench(args, device)}
     else:

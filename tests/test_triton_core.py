@@ -297,6 +297,57 @@ def test_errors_name_the_fix():
         triton_core.attention_forward(q, q, q, None, None, None, None, None, 1.0)
 
 
+# ----------------------------------------------------------------------------- dispatch
+
+def test_self_check_passes_and_is_remembered(monkeypatch):
+    monkeypatch.setattr(triton_core, "_checked", {})
+    q = torch.zeros(2, 2, 5, 8, device=DEVICE)
+    assert triton_core.works_on(q)
+    monkeypatch.setattr(triton_core, "_self_check", lambda *a: pytest.fail("checked twice"))
+    assert triton_core.works_on(q)
+    assert not triton_core.works_on(torch.zeros(1, 17, 5, 8, device=DEVICE))   # too many heads
+    assert not triton_core.works_on(q.double())
+
+
+@pytest.mark.parametrize("failure", ["raises", "wrong"])
+def test_self_check_failure_warns_once_and_declines(monkeypatch, failure):
+    def check(*args):
+        if failure == "raises":
+            raise RuntimeError("out of resources: shared memory")
+        return 0.5
+    monkeypatch.setattr(triton_core, "_checked", {})
+    monkeypatch.setattr(triton_core, "_self_check", check)
+    q = torch.zeros(1, 3, 4, 8, device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="using the 'torch' core"):
+        assert not triton_core.works_on(q)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not triton_core.works_on(q)
+
+
+def test_cuda_choice_follows_figures_then_the_check(monkeypatch):
+    """On a GPU without figures: triton when its check passes, else torch (eager) and compile
+    (compiled); with figures for the GPU: the measured core."""
+    from dcvit import fused
+    q = torch.zeros(1, 3, 4, 8)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(triton_core, "works_on", lambda x: True)
+    assert fused._cuda_measured(q, "eager") is None
+    monkeypatch.setattr(fused, "CUDA_MEASURED", {"H100": {"eager": "torch", "compile": "triton"}})
+    assert fused._cuda_measured(q, "eager") == "torch"
+    assert fused._cuda_measured(q, "compile") == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert fused._cuda_measured(q, "eager") is None
+
+
+def test_forced_triton_core_falls_back_where_it_cannot_run():
+    from dcvit import fused
+    assert fused.select_impl("triton", torch.zeros(1, 3, 4, 8, dtype=torch.float64)) == "torch"
+    assert fused.select_impl("triton", torch.zeros(1, 17, 4, 8)) == "torch"
+    assert fused.select_impl("triton", torch.zeros(1, 3, 4, 8)) == "triton"
+
+
 # ---------------------------------------------------------------------------- slow tier
 
 @pytest.mark.slow

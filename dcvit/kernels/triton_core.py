@@ -15,16 +15,18 @@ mask additive, broadcastable to (B, H, T, S). Up to `MAX_HEADS` heads, any N (ke
 processed in blocks).
 
 With ``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run on CPU
-tensors in Triton's interpreter: slow, and meant for tests on machines without a GPU. This module never imports the dispatcher (`dcvit.fused`).
+tensors in Triton's interpreter: slow, and meant for tests on machines without a GPU.
+This module never imports the dispatcher (`dcvit.fused`).
 """
+import warnings
 from types import ModuleType
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
-__all__ = ["available", "composed_attention", "attention_forward", "attention_backward",
-           "block_sizes", "MAX_HEADS"]
+__all__ = ["available", "interpreted", "works_on", "composed_attention", "attention_forward",
+           "attention_backward", "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
 Stage = Tuple[Optional[Tensor], Optional[Tensor]]
@@ -56,6 +58,64 @@ def _kernels(device: torch.device) -> ModuleType:
                            "Triton's interpreter (TRITON_INTERPRET=1 set before importing triton)")
     from . import triton_attention
     return triton_attention
+
+
+_checked: Dict[Tuple, bool] = {}
+
+
+def works_on(q: Tensor) -> bool:
+    """Whether the kernels compile for q's device, dtype, heads and head dim and agree with
+    the attention formula there (every stage, key-side matrices and a mask; forward and every
+    gradient, on a small random problem). Checked once per configuration and remembered; a
+    failure is reported once as a warning. The automatic core choice asks this before it
+    picks the Triton core on a GPU where it was never measured."""
+    B, H, T, D = q.shape
+    key = (str(q.device), q.dtype, H, D)
+    if not available() or H > MAX_HEADS or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False                                          # outside the kernels' range
+    if key not in _checked:
+        reason = ""
+        try:
+            err = _self_check(q.device, q.dtype, H, D)
+            tol = 1e-3 if q.dtype == torch.float32 else 3e-2
+            if not err <= tol:
+                reason = f"relative error {err:.2e} > {tol:.0e} against the formula"
+        except Exception as e:  # noqa: BLE001  (compile errors, out of resources, ...)
+            reason = f"{type(e).__name__}: {str(e)[:300]}"
+        if reason:
+            warnings.warn(f"DCMHA: the Triton attention core is not used on {q.device} for "
+                          f"{H} heads of {D} dims in {q.dtype} ({reason}); using the 'torch' core",
+                          RuntimeWarning, stacklevel=2)
+        _checked[key] = not reason
+    return _checked[key]
+
+
+def _self_check(device: torch.device, dtype: torch.dtype, H: int, D: int) -> float:
+    """Largest error of output and gradients against the formula, relative to each one's
+    largest reference value, for a random (1, H, 37, D) problem (3 key blocks at least)."""
+    g = torch.Generator().manual_seed(0)
+    N = 37
+    q, k, v = (torch.randn(1, H, N, D, generator=g).to(device, dtype) for _ in range(3))
+    mats = [(torch.eye(H) * (i % 2 == 0) + 0.3 * torch.randn(1, N, H, H, generator=g)).to(device)
+            for i in range(4)]
+    mask = torch.randn(1, 1, N, N, generator=g).to(device)
+    grad = torch.randn(1, N, H, D, generator=g).to(device, dtype)
+    scale = D ** -0.5
+    with torch.no_grad():
+        out, lse = attention_forward(q, k, v, mask, *mats, scale)
+        got = [out] + attention_backward(grad, q, k, v, mask, *mats, lse, scale)
+    with torch.enable_grad():
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v, *mats)]
+        a = scale * leaves[0] @ leaves[1].transpose(-1, -2)
+        for stage, m in ((0, mask), (1, None)):
+            mq, mk = leaves[3 + 2 * stage], leaves[4 + 2 * stage]
+            a = torch.einsum("bgts,btgh->bhts", a, mq) + torch.einsum("bgts,bsgh->bhts", a, mk)
+            a = (a + m).softmax(-1) if stage == 0 else a
+        want = (a @ leaves[2]).transpose(1, 2)
+        wgrads = torch.autograd.grad(want, leaves, grad.float())
+    errs = [((x.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item()
+            for x, w in zip(got, [want.detach(), *wgrads])]
+    return max(errs)
 
 
 def _next_pow2(n: int) -> int:
@@ -116,16 +176,16 @@ def _precision(dtype: torch.dtype) -> str:
     return "exact" if dtype == torch.bfloat16 and interpreted() else "tf32"
 
 
-def _prepare(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
-    B, H, T, _ = q.shape
+def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
+    """The mask as a float32 additive 4-D tensor (bool: True = keep) and the matrices in
+    float32."""
     if mask is not None:
-        m = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
-        m = m.to(torch.float32)
-        while m.dim() < 4:
-            m = m.unsqueeze(0)
-        mask = m
-    mats = [None if m is None else m.to(torch.float32) for m in mats]
-    return mask, mats
+        if mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+        mask = mask.to(torch.float32)
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+    return mask, [None if m is None else m.to(torch.float32) for m in mats]
 
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
@@ -135,7 +195,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     _check(q, k, v)
     B, H, T, D = q.shape
     S = k.shape[2]
-    mask, (mq1, mk1, mq2, mk2) = _prepare(q, mask, (mq1, mk1, mq2, mk2))
+    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2))
     if mask is not None:
         mask = mask.expand(B, H, T, S)
     out = v.new_empty(B, T, H, D)
@@ -161,7 +221,7 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     B, H, T, D = q.shape
     S = k.shape[2]
     mats_in = (mq1, mk1, mq2, mk2)
-    mask, (mq1, mk1, mq2, mk2) = _prepare(q, mask, mats_in)
+    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, mats_in)
     if mask is not None:
         mask = mask.expand(B, H, T, S)
     g = grad.transpose(1, 2)                                                 # (B, H, T, D)
