@@ -12,7 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import timm
 import torch
 
-from ..accounting import Accounting, account, input_shape_of, module_table
+from ..accounting import Accounting, account, analytic_macs, input_shape_of, module_table
+from .efficiency import efficiency_rows
 from .model_spec import ModelSpec, check_model_name
 from .quoted import QUOTED
 from .results import results_spec
@@ -21,7 +22,7 @@ from .speed import measure_pair, measure_throughput
 __all__ = ["Report", "param_efficiency_report"]
 
 # Keys of an evaluation file copied into its row.
-RESULT_COLUMNS = ("top1", "top5", "num_samples", "dataset", "ema")
+RESULT_COLUMNS = ("top1", "top5", "num_samples", "dataset", "ema", "epoch")
 
 
 @dataclass
@@ -30,6 +31,8 @@ class Report:
     quoted: List[Dict[str, Any]]
     modules: Dict[str, List[Dict[str, Any]]] = field(default_factory=dict)  # spec -> table
     meta: Dict[str, Any] = field(default_factory=dict)
+    points: List[Dict[str, Any]] = field(default_factory=list)      # top-1 vs size, by group
+    efficiency: List[Dict[str, Any]] = field(default_factory=list)  # `efficiency.efficiency_rows`
 
 
 def _pct(value: int, base: int) -> float:
@@ -43,6 +46,7 @@ def accounting_columns(spec: ModelSpec, acc: Accounting, base_spec: ModelSpec, b
         "family": spec.family,
         "input_size": list(acc.input_shape[1:]), "params": acc.params, "macs": acc.macs,
         "gmacs": round(acc.gmacs, 4), "baseline": base_spec.name,
+        "baseline_params": base.params, "baseline_macs": base.macs,
         "extra_params_pct": _pct(acc.params, base.params),
         "extra_macs_pct": _pct(acc.macs, base.macs),
         "skipped_ops": acc.skipped_ops,
@@ -145,5 +149,46 @@ def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple
             tables.setdefault(str(spec), module_table(counted(spec)))
         rows.append(row)
     timing = throughput_meta(throughput_batch, throughput_steps, throughput_warmup, dev) if throughput else None
+    points = measured_points(rows) + quoted_points(QUOTED, log)
     return Report(rows=rows, quoted=[dict(q, kind="quoted") for q in QUOTED], modules=tables,
-                  meta=report_meta(timing))
+                  meta=report_meta(timing), points=points, efficiency=efficiency_rows(points))
+
+
+def _size(name: str, log: Callable[[str], Any], cache: Dict[str, Tuple[int, int]] = {}) -> Tuple[int, int]:
+    """Parameters and MACs (`analytic_macs`, equal to fvcore's count) of a default model."""
+    if name not in cache:
+        log(f"[report] sizing {name} (quoted)")
+        model = ModelSpec.of(name).build()
+        cache[name] = (sum(p.numel() for p in model.parameters()), analytic_macs(model)["total"])
+    return cache[name]
+
+
+def quoted_points(quoted: Sequence[Dict[str, Any]], log: Callable[[str], Any]) -> List[Dict[str, Any]]:
+    """The quoted rows of groups (source, recipe, epoch) that hold a DCViT, with their sizes."""
+    def group(q: Dict[str, Any]) -> Tuple[str, ...]:
+        return ("quoted", q["recipe"], f"epoch {q['at_epoch']} of {q['epochs']}")
+    with_dc = {group(q) for q in quoted if ModelSpec.of(q["model"]).family == "dcvit"}
+    points = []
+    for q in quoted:
+        if group(q) not in with_dc:
+            continue
+        spec = ModelSpec.of(q["model"])
+        params, macs = _size(q["model"], log)
+        base_params, base_macs = _size(spec.baseline().name, log)
+        points.append(dict(label=q["label"], family=spec.family, group=group(q), top1=q["top1"],
+                           params=params, macs=macs, baseline_params=base_params, baseline_macs=base_macs))
+    return points
+
+
+def measured_points(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Rows with a top-1, grouped by dataset and epoch (eval-eNNNN.json) or final (eval.json)."""
+    points = []
+    for r in rows:
+        if "top1" not in r:
+            continue
+        epoch = f"epoch {r['epoch']}" if r.get("epoch") is not None else "final"
+        points.append(dict(label=f"{r['model']}" + (" (EMA)" if r.get("ema") else ""), family=r["family"],
+                           group=("measured", str(r.get("dataset") or "eval.json"), epoch),
+                           top1=r["top1"], params=r["params"], macs=r["macs"],
+                           baseline_params=r["baseline_params"], baseline_macs=r["baseline_macs"]))
+    return points

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List
 
 from ..io import atomic_write
+from .efficiency import group_text
 from .measure import Report
 from .plot import report_png
 
@@ -60,7 +61,8 @@ def report_csv(report: Report) -> str:
 
 # ---------------------------------------------------------------------------------- JSON
 def report_json(report: Report, command: str) -> str:
-    payload = {"command": command, **report.meta, "rows": report.rows, "quoted": report.quoted}
+    payload = {"command": command, **report.meta, "rows": report.rows, "quoted": report.quoted,
+               "efficiency": [dict(e, group=list(e["group"])) for e in report.efficiency]}
     if report.modules:
         payload["modules"] = report.modules
     return json.dumps(payload, indent=2) + "\n"
@@ -109,9 +111,25 @@ def skipped_section(report: Report) -> List[str]:
 
 def quoted_section(report: Report) -> List[str]:
     lines = ["## Quoted from the papers (ImageNet-1k, not measured here)", "",
-             "| model | recipe | epochs | params (quoted) | top-1 (quoted) | source |", "|---|---|---|---|---|---|"]
-    return lines + [f"| {q['label']} (`{q['model']}`) | {q['recipe']} | {q['epochs']} | {q['params_quoted']} | "
-                    f"{q['top1']:.1f} | {q['source']} |" for q in report.quoted]
+             "| model | recipe | epoch | params (quoted) | top-1 (quoted) | source |", "|---|---|---|---|---|---|"]
+    return lines + [f"| {q['label']} (`{q['model']}`) | {q['recipe']} | {q['at_epoch']} of {q['epochs']} | "
+                    f"{q['params_quoted']} | {q['top1']:.1f} | {q['source']} |" for q in report.quoted]
+
+
+def efficiency_section(report: Report) -> List[str]:
+    if not report.efficiency:
+        return []
+    lines = ["## Efficiency multiplier", "",
+             "The params and MACs a plain ViT would need for each DCViT's top-1: the baselines of "
+             "the same group (source, recipe, epoch) interpolated linearly in log(params) and "
+             "log(MACs); as a multiple of the DCViT's own size and of its baseline's. Outside "
+             "the baselines' top-1 range: ≥ (or ≤) the size of the end baseline, with a "
+             "log-linear extrapolation of the two end baselines where there are two.", "",
+             "| model | group | top-1 | baselines | params needed × model | × its baseline | "
+             "MACs needed × model | × its baseline |", "|---|---|---|---|---|---|---|---|"]
+    return lines + [f"| {e['label']} | {group_text(e['group'])} | {e['top1']:.1f} | {', '.join(e['baselines'])} | "
+                    f"{e['params_x']} | {e['params_x_baseline']} | {e['macs_x']} | {e['macs_x_baseline']} |"
+                    for e in report.efficiency]
 
 
 def modules_section(report: Report) -> List[str]:
@@ -124,7 +142,7 @@ def modules_section(report: Report) -> List[str]:
 
 
 MARKDOWN_SECTIONS: List[Callable[[Report], List[str]]] = [
-    measured_section, skipped_section, quoted_section, modules_section]
+    measured_section, skipped_section, quoted_section, efficiency_section, modules_section]
 
 
 def report_markdown(report: Report, command: str) -> str:
