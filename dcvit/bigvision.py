@@ -27,8 +27,6 @@ from timm.models import generate_default_cfgs, register_model
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-from .attention import DCMHA
-
 __all__ = ["BigVisionViT", "posemb_sincos_2d", "BV_DCMHA_OPTIONS", "BV_MODELS"]
 
 # DCMHA as in the authors' MultiHeadDotProductAttention(dynamic_compose=True): a static
@@ -118,6 +116,7 @@ class BigVisionViT(VisionTransformer):
         xavier-uniform, bias N(0, 1e-6). Head: zeros. LayerNorms: ones/zeros. DCMHA's own
         parameters keep DCMHA's initialisation (docs/spec.md §1.2).
         """
+        from .attention import DCMHA  # the attention stack loads with the first model built
         if mode not in ("", "jax", "reset"):
             raise ValueError(f"{type(self).__name__}.init_weights: only big_vision's initialisation "
                              f"is defined, got mode={mode!r}")

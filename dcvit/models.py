@@ -22,8 +22,6 @@ from timm.models import build_model_with_cfg, generate_default_cfgs, register_mo
 from timm.models import vision_transformer as timm_vit
 from timm.models.vision_transformer import VisionTransformer
 
-from .attention import DCMHA, DCMHA_OPTIONS, dcmha_layer
-
 __all__ = ["DCVIT_MODELS", "checkpoint_filter_fn", "create_vit_family"]
 
 _logger = logging.getLogger(__name__)
@@ -59,6 +57,7 @@ _VIT_KWARGS = set(inspect.signature(VisionTransformer.__init__).parameters) - {"
 
 def _check_kwargs(variant: str, kwargs: Dict[str, Any], dc: bool = True,
                   extra: Iterable[str] = ()) -> None:
+    from .attention import DCMHA_OPTIONS  # the attention stack loads with the first model built
     dcmha = set(DCMHA_OPTIONS) | {"dcmha_layers"} if dc else set()
     known = _VIT_KWARGS | _BUILDER_KWARGS | dcmha | set(extra)
     for key in kwargs:
@@ -85,6 +84,7 @@ def _resolve_layers(variant: str, dcmha_layers: Optional[Iterable[int]], depth: 
 def _dcvit(variant: str, dcmha_layers: Optional[Iterable[int]] = None,
            model_cls: Type[VisionTransformer] = VisionTransformer, **kwargs: Any) -> VisionTransformer:
     """Build the model; blocks outside ``dcmha_layers`` get plain timm Attention."""
+    from .attention import DCMHA_OPTIONS, dcmha_layer
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in DCMHA_OPTIONS}
     if "qk_norm_bias" in options and not options["qk_norm_bias"] and not kwargs.get("qk_norm"):
         options.pop("qk_norm_bias")                      # no q/k norm: nothing to drop a bias from

@@ -52,8 +52,7 @@ def main() -> None:
         p.error("give --shards DIR or --make-digits DIR")
     torch.set_num_threads(args.threads)
 
-    import dcvit  # noqa: F401
-    from train_imagenet.__main__ import build_model
+    from train_imagenet.model import build_model
     from train_imagenet.config import load_config
     from train_imagenet.data import build_data
     from train_imagenet.engine import StepOptions, train_one_epoch

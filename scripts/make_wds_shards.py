@@ -46,8 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-# torchvision's IMG_EXTENSIONS: files with other suffixes are not images and are ignored.
-IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+from dcvit.io import write_json
+from dcvit.schema import CLASSES_FILE, IMAGE_EXTENSIONS, LABEL_EXTENSION, ShardMeta, check_split, shard_name
+
+# Files with other suffixes are not images and are ignored (dcvit.schema: torchvision's list).
+IMG_EXTENSIONS = tuple("." + ext for ext in IMAGE_EXTENSIONS)
 TAR_BLOCK = 512
 TAR_RECORD = 20 * TAR_BLOCK
 MAX_KEY_CHARS = 90  # ustar names hold 100 characters; leave room for ".jpg"
@@ -316,10 +319,6 @@ def encode_image(path: str, other_formats: str) -> tuple[str, bytes, bool]:
     return "png", buf.getvalue(), True
 
 
-def _shard_name(split: str, index: int) -> str:
-    return f"{split}-{index:06d}.tar"
-
-
 def write_shard(task: tuple[str, str, int, list[Sample], str, str]) -> tuple[int, int, int, int]:
     """Write one shard under a temporary name, then rename. Returns (index, samples, bytes, re-encoded).
 
@@ -330,7 +329,7 @@ def write_shard(task: tuple[str, str, int, list[Sample], str, str]) -> tuple[int
     from webdataset import TarWriter
 
     out, split, index, samples, other_formats, token = task
-    final = Path(out) / _shard_name(split, index)
+    final = Path(out) / shard_name(split, index)
     tmp = Path(out) / f".{final.name}.tmp-{token}"
     reencoded = 0
     try:
@@ -367,7 +366,7 @@ def _run_tasks(fn, tasks: list, workers: int) -> Iterable:
 
 def brace_pattern(out: Path, split: str, num_shards: int) -> str:
     if num_shards == 1:
-        return str(out / _shard_name(split, 0))
+        return str(out / shard_name(split, 0))
     return str(out / f"{split}-{{{0:06d}..{num_shards - 1:06d}}}.tar")
 
 
@@ -400,7 +399,7 @@ def convert(args: argparse.Namespace) -> dict:
     plan = plan_shards(samples, args.shard_size, args.max_shard_bytes)
 
     out.mkdir(parents=True, exist_ok=True)
-    classes_path = out / "classes.json"
+    classes_path = out / CLASSES_FILE
     if classes_path.exists():
         try:
             old = json.loads(classes_path.read_text())
@@ -431,18 +430,16 @@ def convert(args: argparse.Namespace) -> dict:
         for tmp in out.glob(f".{split}-*.tar.tmp-{token}"):  # workers stopped mid-shard
             tmp.unlink(missing_ok=True)
         raise
-    names = [_shard_name(split, i) for i in range(len(plan))]
+    names = [shard_name(split, i) for i in range(len(plan))]
     for old_shard in out.glob(f"{split}-*.tar"):
         if old_shard.name not in names:
             old_shard.unlink()  # from an earlier run with more shards
-    meta = {
-        "num_samples": len(samples), "num_classes": len(classes), "shards": names,
-        "samples_per_shard": counts, "shard_bytes": sizes, "split": split,
-        "pattern": brace_pattern(Path("."), split, len(plan)), "classes": "classes.json",
-        "shuffled": shuffle, "seed": args.seed if shuffle else None, "reencoded_to_png": reencoded,
-    }
-    from dcvit.io import write_json  # imports torch and timm: only once the shards are written
-
+    meta = ShardMeta(
+        num_samples=len(samples), num_classes=len(classes), shards=names,
+        samples_per_shard=counts, shard_bytes=sizes, split=split,
+        pattern=brace_pattern(Path("."), split, len(plan)), classes=CLASSES_FILE,
+        shuffled=shuffle, seed=args.seed if shuffle else None, reencoded_to_png=reencoded,
+    ).to_dict()
     write_json(classes_path, classes)
     write_json(out / f"{split}.json", meta)
     seen = len({s.label for s in samples})
@@ -469,9 +466,10 @@ def verify_shard(task: tuple[str, int]) -> dict:
             result["count"] += 1
             result["keys"].append(key)
             exts = sorted(k for k in sample if not k.startswith("__"))
-            images = [e for e in exts if e in ("jpg", "png")]
-            if len(images) != 1 or "cls" not in exts or len(exts) != 2:
-                problems.append(f"{name}: key '{key}' holds {exts}; expected one of jpg/png and cls")
+            images = [e for e in exts if e in IMAGE_EXTENSIONS]
+            if len(images) != 1 or LABEL_EXTENSION not in exts or len(exts) != 2:
+                problems.append(f"{name}: key '{key}' holds {exts}; expected one image "
+                                f"({'/'.join(IMAGE_EXTENSIONS)}) and {LABEL_EXTENSION}")
                 continue
             try:
                 label = int(sample["cls"].decode("ascii"))
@@ -502,9 +500,9 @@ def verify(out: Path, splits: Sequence[str] | None, workers: int, progress: bool
             return [f"no split metadata (<split>.json) in {out}; write shards with --src/--out first"]
     problems: list[str] = []
     classes = None
-    if (out / "classes.json").exists():
+    if (out / CLASSES_FILE).exists():
         try:
-            classes = read_class_names(out / "classes.json")
+            classes = read_class_names(out / CLASSES_FILE)
         except ConversionError as e:
             problems.append(str(e))
     from tqdm import tqdm
@@ -600,8 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # No '-': readers find DIR/<split>.json from the text before the first '-' of a shard name.
-    if args.split is not None and not re.fullmatch(r"[A-Za-z0-9_]+", args.split) or args.split == "classes":
-        parser.error(f"--split {args.split!r}: use letters, digits and '_' only (and not 'classes')")
+    if args.split is not None and check_split(args.split):
+        parser.error(f"--split {check_split(args.split)}")
     try:
         if args.src is None and args.out is None:
             if not isinstance(args.verify, str):

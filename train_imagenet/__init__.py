@@ -3,6 +3,6 @@
     python -m train_imagenet --config configs/quickstart.yaml [key=value ...]
     torchrun --nproc_per_node=8 -m train_imagenet --config configs/deit300_dcvit_small.yaml
 
-Modules, in the order data flows: config -> data -> engine (metrics) -> checkpoint, logs;
-``__main__`` wires them.
+Modules, in the order data flows: config -> data -> model -> engine (metrics) -> checkpoint,
+logs; ``__main__`` wires them.
 """

@@ -8,7 +8,6 @@ The wiring only: config -> model -> data -> engine -> checkpoints/logs. Every ch
 fail (data paths, sample counts, classes, checkpoint architecture) runs before training starts.
 """
 import argparse
-import difflib
 import importlib.util
 import math
 import os
@@ -19,6 +18,7 @@ import numpy as np
 import torch
 
 from dcvit.io import write_json
+from dcvit.schema import EvalResult
 
 from .checkpoint import (CheckpointError, capture_rng, check_arch, find_latest, load_checkpoint,
                          load_model_weights, save_checkpoint)
@@ -26,10 +26,10 @@ from .config import Config, ConfigError, config_to_dict, load_config, save_confi
 from .data import DataError, DataPipe, build_data, count_samples, resolve_source
 from .distributed import DistInfo, all_gather_object, broadcast_object, init_distributed, shutdown
 from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
-from .finetune import (apply_conversion, arch_entry, conversion_to_apply, param_group_fn,
-                       pretrained_kwargs)
+from .finetune import arch_entry, conversion_to_apply, param_group_fn
 from .logs import RunLog
 from .mixup import RollMixup
+from .model import build_model
 
 __all__ = ["main", "run"]
 
@@ -46,44 +46,6 @@ def _seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def build_model(cfg: Config, pretrained: bool = True) -> torch.nn.Module:
-    """timm.create_model with the config's kwargs; dcvit_* names are registered first.
-    With ``pretrained`` it loads ``cfg.pretrained`` (if set) and converts to DCMHA
-    (``cfg.convert.enabled``) in that order."""
-    import timm
-    import dcvit  # noqa: F401  (registers dcvit_* with timm)
-    kwargs = dict(cfg.model_kwargs)
-    if kwargs.pop("num_classes", cfg.data.num_classes) != cfg.data.num_classes:
-        raise ConfigError(f"model_kwargs.num_classes={cfg.model_kwargs['num_classes']} differs "
-                          f"from data.num_classes={cfg.data.num_classes}; drop it from model_kwargs")
-    if not timm.is_model(cfg.model):
-        close = difflib.get_close_matches(cfg.model, timm.list_models(), n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"model={cfg.model!r} is not a timm model{hint}")
-    load = pretrained_kwargs(cfg) if pretrained and cfg.pretrained else {}
-    try:
-        model = timm.create_model(cfg.model, num_classes=cfg.data.num_classes,
-                                  drop_path_rate=cfg.drop_path, **kwargs, **load)
-    except TypeError as e:
-        raise ConfigError(f"model={cfg.model!r} rejects model_kwargs={cfg.model_kwargs}: {e}") from e
-    except (RuntimeError, NotImplementedError, ValueError) as e:
-        if not load:
-            raise
-        raise ConfigError(f"pretrained={cfg.pretrained!r} does not load into model={cfg.model!r} with "
-                          f"model_kwargs={cfg.model_kwargs}: {e}") from e
-    if load:
-        getattr(model, "pretrained_cfg", {}).pop("state_dict", None)   # hold no second copy
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
-    if size is not None and tuple(size) != (cfg.data.img_size, cfg.data.img_size) \
-            and not getattr(model.patch_embed, "dynamic_img_size", False):
-        raise ConfigError(f"model {cfg.model!r} is built for {tuple(size)} images but "
-                          f"data.img_size={cfg.data.img_size}; set model_kwargs.img_size="
-                          f"{cfg.data.img_size} (or data.img_size={size[0]})")
-    if cfg.convert.enabled:
-        apply_conversion(model, cfg)
-    return model
 
 
 def _arch(cfg: Config) -> Dict[str, Any]:
@@ -148,11 +110,12 @@ def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Option
 
 
 def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) -> Dict[str, Any]:
-    return {"model": cfg.model, "top1": metrics["top1"], "top5": metrics["top5"],
-            "num_samples": metrics["num_samples"], "loss": metrics["loss"],
-            "model_kwargs": dict(cfg.model_kwargs), "img_size": cfg.data.img_size,
-            "num_classes": cfg.data.num_classes, "checkpoint": checkpoint, "ema": ema,
-            "val": cfg.data.val, "convert": arch_entry(cfg)}
+    """The ``eval.json`` object (`dcvit.schema.EvalResult`, read by ``dcvit-report``)."""
+    return EvalResult(model=cfg.model, top1=metrics["top1"], top5=metrics["top5"],
+                      num_samples=metrics["num_samples"], loss=metrics["loss"],
+                      model_kwargs=dict(cfg.model_kwargs), img_size=cfg.data.img_size,
+                      num_classes=cfg.data.num_classes, checkpoint=checkpoint, ema=ema,
+                      val=cfg.data.val, convert=arch_entry(cfg)).to_dict()
 
 
 def run(cfg: Config) -> int:

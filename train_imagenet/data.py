@@ -35,12 +35,13 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from timm.data import create_transform
 from timm.data.distributed_sampler import RepeatAugSampler
 
+from dcvit.schema import IMAGE_EXTENSIONS, ShardMeta, metadata_path
+
 from .config import Config
 
 __all__ = ["DataError", "Source", "resolve_source", "count_samples", "build_transform",
            "ShardStream", "DataPipe", "build_data"]
 
-IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 _logger = logging.getLogger(__name__)
 
 
@@ -119,22 +120,20 @@ def _split_key(name: str) -> Tuple[str, str]:
     return os.path.join(os.path.dirname(name), stem), ext.lower()
 
 
-def _metadata(shards: List[str]) -> Optional[Dict[str, Any]]:
+def _metadata(shards: List[str]) -> Optional[ShardMeta]:
     """`DIR/<split>.json` written next to the shards, if it describes exactly these shards."""
-    first = shards[0]
-    path = os.path.join(os.path.dirname(first), os.path.basename(first).split("-")[0] + ".json")
+    path = metadata_path(shards[0])
     if not os.path.isfile(path):
         return None
     try:
         with open(path) as f:
-            meta = json.load(f)
+            meta = ShardMeta.from_dict(json.load(f), path)
     except (OSError, ValueError):
         return None
-    listed = meta.get("shards")
-    if listed is not None and sorted(os.path.basename(s) for s in listed) != sorted(
+    if meta.shards is not None and sorted(os.path.basename(s) for s in meta.shards) != sorted(
             os.path.basename(s) for s in shards):
         return None
-    return meta if isinstance(meta.get("num_samples"), int) else None
+    return meta
 
 
 def count_samples(source: Source) -> Dict[str, int]:
@@ -149,8 +148,8 @@ def count_samples(source: Source) -> Dict[str, int]:
                         f"set data.train_samples / data.val_samples")
     meta = _metadata(source.shards)
     if meta is not None:
-        return {"num_samples": meta["num_samples"], "num_classes": int(meta.get("num_classes", 0)),
-                "classes_exact": int("num_classes" in meta)}
+        return {"num_samples": meta.num_samples, "num_classes": meta.num_classes or 0,
+                "classes_exact": int(meta.num_classes is not None)}
     total, max_label = 0, -1
     for shard in source.shards:
         try:
@@ -162,7 +161,7 @@ def count_samples(source: Source) -> Dict[str, int]:
                     key, ext = _split_key(m.name)
                     if ext == "cls":
                         labels[key] = tar.extractfile(m).read()
-                    elif ext in IMAGE_EXTS:
+                    elif ext in IMAGE_EXTENSIONS:
                         keys_with_image.add(key)
         except (tarfile.TarError, OSError) as e:
             raise DataError(f"shard {shard!r} is not a readable tar file ({e}); "
@@ -193,9 +192,9 @@ def _seed(*parts: int) -> random.Random:
 
 
 def _decode(sample: Dict[str, Any]) -> Tuple[Image.Image, int]:
-    img = next((sample[e] for e in IMAGE_EXTS if e in sample), None)
+    img = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
     if img is None:
-        raise ValueError(f"no image member ({'/'.join(IMAGE_EXTS)}) in sample")
+        raise ValueError(f"no image member ({'/'.join(IMAGE_EXTENSIONS)}) in sample")
     if "cls" not in sample:
         raise ValueError("no .cls member in sample")
     label = int(sample["cls"])

@@ -13,6 +13,7 @@ import timm
 import torch
 
 from ..accounting import Accounting, account, analytic_macs, input_shape_of, module_table
+from ..schema import EvalResult
 from .efficiency import efficiency_rows
 from .model_spec import ModelSpec, check_model_name
 from .quoted import QUOTED
@@ -62,9 +63,9 @@ def throughput_columns(speed: Dict[str, float]) -> Dict[str, Any]:
     return cols
 
 
-def result_columns(path: str, data: Dict[str, Any]) -> Dict[str, Any]:
+def result_columns(path: str, result: EvalResult) -> Dict[str, Any]:
     """Accuracy (and what it was measured on) from one evaluation file."""
-    cols = {k: data[k] for k in RESULT_COLUMNS if data.get(k) is not None}
+    cols = {k: getattr(result, k) for k in RESULT_COLUMNS if getattr(result, k) is not None}
     cols["results"] = path
     return cols
 
@@ -94,20 +95,20 @@ def throughput_meta(batch_size: int, steps: int, warmup: int, device: torch.devi
             "processor": processor}
 
 
-def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple[str, Dict[str, Any]]] = (),
+def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple[str, EvalResult]] = (),
                             base_kwargs: Optional[Dict[str, Any]] = None, throughput: bool = False,
                             throughput_batch: int = 8, detail: bool = False,
                             log: Callable[[str], Any] = print, *, throughput_steps: int = 5,
                             throughput_warmup: int = 2, device: str = "cpu") -> Report:
     """Account every model (and its baseline), attach accuracy and throughput.
 
-    One row per model in ``models`` without results, and one per results file (path, data).
+    One row per model in ``models`` without results, and one per results file (path, result).
     Each distinct configuration is built and counted once (on CPU); with ``throughput``,
     models are timed on ``device``, ``throughput_steps`` timed forwards of batch
     ``throughput_batch`` after ``throughput_warmup`` untimed ones.
     """
-    entries: List[Tuple[ModelSpec, Optional[str], Optional[Dict[str, Any]]]] = []
-    result_specs = [(results_spec(data, base_kwargs or {}), path, data) for path, data in results]
+    entries: List[Tuple[ModelSpec, Optional[str], Optional[EvalResult]]] = []
+    result_specs = [(results_spec(result, base_kwargs or {}), path, result) for path, result in results]
     covered = {spec for spec, _, _ in result_specs}
     entries += [(spec, None, None) for spec in models if spec not in covered]
     entries += result_specs
@@ -138,13 +139,13 @@ def param_efficiency_report(models: Sequence[ModelSpec], results: Sequence[Tuple
         return speed[spec, base_spec]
 
     rows = []
-    for spec, path, data in entries:
+    for spec, path, result in entries:
         base_spec = spec.baseline()
         row = accounting_columns(spec, counted(spec), base_spec, counted(base_spec))
         if throughput:
             row.update(throughput_columns(timed(spec, base_spec)))
-        if data is not None:
-            row.update(result_columns(path, data))
+        if result is not None:
+            row.update(result_columns(path, result))
         if detail:
             tables.setdefault(str(spec), module_table(counted(spec)))
         rows.append(row)

@@ -1,0 +1,49 @@
+"""The model a config describes: ``timm.create_model`` with its kwargs, checked against the data."""
+import difflib
+
+import timm
+import torch
+
+import dcvit  # noqa: F401  (registers dcvit_* with timm)
+
+from .config import Config, ConfigError
+from .finetune import apply_conversion, pretrained_kwargs
+
+__all__ = ["build_model"]
+
+
+def build_model(cfg: Config, pretrained: bool = True) -> torch.nn.Module:
+    """timm.create_model with the config's kwargs and ``data.num_classes``, checked against
+    ``data.img_size``; a bad name or option is a ConfigError naming the fix. With
+    ``pretrained`` it loads ``cfg.pretrained`` (if set) and converts to DCMHA
+    (``cfg.convert.enabled``) in that order."""
+    kwargs = dict(cfg.model_kwargs)
+    if kwargs.pop("num_classes", cfg.data.num_classes) != cfg.data.num_classes:
+        raise ConfigError(f"model_kwargs.num_classes={cfg.model_kwargs['num_classes']} differs "
+                          f"from data.num_classes={cfg.data.num_classes}; drop it from model_kwargs")
+    if not timm.is_model(cfg.model):
+        close = difflib.get_close_matches(cfg.model, timm.list_models(), n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(f"model={cfg.model!r} is not a timm model{hint}")
+    load = pretrained_kwargs(cfg) if pretrained and cfg.pretrained else {}
+    try:
+        model = timm.create_model(cfg.model, num_classes=cfg.data.num_classes,
+                                  drop_path_rate=cfg.drop_path, **kwargs, **load)
+    except TypeError as e:
+        raise ConfigError(f"model={cfg.model!r} rejects model_kwargs={cfg.model_kwargs}: {e}") from e
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        if not load:
+            raise
+        raise ConfigError(f"pretrained={cfg.pretrained!r} does not load into model={cfg.model!r} with "
+                          f"model_kwargs={cfg.model_kwargs}: {e}") from e
+    if load:
+        getattr(model, "pretrained_cfg", {}).pop("state_dict", None)   # hold no second copy
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if size is not None and tuple(size) != (cfg.data.img_size, cfg.data.img_size) \
+            and not getattr(model.patch_embed, "dynamic_img_size", False):
+        raise ConfigError(f"model {cfg.model!r} is built for {tuple(size)} images but "
+                          f"data.img_size={cfg.data.img_size}; set model_kwargs.img_size="
+                          f"{cfg.data.img_size} (or data.img_size={size[0]})")
+    if cfg.convert.enabled:
+        apply_conversion(model, cfg)
+    return model
