@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL_CODE = ("dcvit.attention", "dcvit.compose", "dcvit.fused", "dcvit.matrices", "dcvit.kernels",
+MODEL_CODE = ("dcvit.attention", "dcvit.fused", "dcvit.matrices", "dcvit.kernels",
               "dcvit.weights", "dcvit.maps", "dcvit.accounting")
 
 
@@ -36,6 +36,7 @@ def test_import_dcvit_registers_the_models_and_resolves_names_on_use():
     loaded = loaded_after("import dcvit, timm\n"
                           "assert timm.is_model('dcvit_small') and 'DCMHA' in dir(dcvit)\n"
                           "assert dcvit.fused.IMPLS and dcvit.DCMHA.__module__ == 'dcvit.attention'\n"
+                          "assert callable(dcvit.compose)\n"
                           "from dcvit import compose, load_weights\n"
                           "try:\n    dcvit.no_such_name\nexcept AttributeError as e:\n"
                           "    assert 'no_such_name' in str(e)\nelse:\n    raise SystemExit(1)")
