@@ -44,7 +44,8 @@ class EvalResult:
     configuration (``timm.create_model(model, img_size=..., num_classes=..., **model_kwargs)``);
     ``top1``/``top5`` are percentages over ``num_samples`` images of ``val``. A run that
     converted a pretrained model to DCMHA records the conversion in ``convert``
-    (``{"layers": ..., "options": {...}}``, rebuilt by `dcvit.convert`). Keys this
+    (``{"layers": ..., "options": {...}}``, rebuilt by `dcvit.convert`); an evaluation during
+    training (``eval-eNNNN.json``) records its ``epoch``. Keys this
     class does not know are kept in ``extra`` and written back.
     """
 
@@ -61,6 +62,7 @@ class EvalResult:
     val: Optional[str] = None
     dataset: Optional[str] = None
     convert: Optional[Dict[str, Any]] = None
+    epoch: Optional[int] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     REQUIRED = ("model", "top1")
@@ -88,7 +90,7 @@ class EvalResult:
         for key in ("model_kwargs", "convert"):
             if data.get(key) is not None and not isinstance(data[key], dict):
                 raise SchemaError(f"{where}: {key} must be an object, got {data[key]!r}")
-        for key in ("num_samples", "img_size", "num_classes"):
+        for key in ("num_samples", "img_size", "num_classes", "epoch"):
             _check_type(where, key, data.get(key), (int,), "an integer")
         names = {f.name for f in fields(cls)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}

@@ -109,13 +109,15 @@ def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Option
     return None
 
 
-def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool) -> Dict[str, Any]:
-    """The ``eval.json`` object (`dcvit.schema.EvalResult`, read by ``dcvit-report``)."""
+def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool,
+            epoch: Optional[int] = None) -> Dict[str, Any]:
+    """The ``eval.json`` object (`dcvit.schema.EvalResult`, read by ``dcvit-report``); ``epoch``
+    for the evaluations of ``eval_epochs`` (``eval-eNNNN.json``)."""
     return EvalResult(model=cfg.model, top1=metrics["top1"], top5=metrics["top5"],
                       num_samples=metrics["num_samples"], loss=metrics["loss"],
                       model_kwargs=dict(cfg.model_kwargs), img_size=cfg.data.img_size,
                       num_classes=cfg.data.num_classes, checkpoint=checkpoint, ema=ema,
-                      val=cfg.data.val, convert=arch_entry(cfg)).to_dict()
+                      val=cfg.data.val, convert=arch_entry(cfg), epoch=epoch).to_dict()
 
 
 def run(cfg: Config) -> int:
@@ -331,10 +333,10 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         last_path = save(epoch + 1, 0, update) or last_path
         if info.is_main and epoch + 1 in cfg.eval_epochs:   # e.g. the paper's epoch-90 numbers
             write_json(os.path.join(run_dir, f"eval-e{epoch + 1:04d}.json"),
-                       {**_result(cfg, metrics, last_path, False), "epoch": epoch + 1})
+                       _result(cfg, metrics, last_path, False, epoch + 1))
             if ema_metrics is not None:
                 write_json(os.path.join(run_dir, f"eval_ema-e{epoch + 1:04d}.json"),
-                           {**_result(cfg, ema_metrics, last_path, True), "epoch": epoch + 1})
+                           _result(cfg, ema_metrics, last_path, True, epoch + 1))
         runlog.epoch(record)
         _log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in record.items()))
