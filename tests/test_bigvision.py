@@ -320,3 +320,16 @@ def test_accounting_counts_the_pre_logits_layer(name):
     assert analytic_macs(model)["total"] == acc.macs
     plain = timm.create_model(name, rep_size=False, **SMALL).eval()
     assert acc.macs - account(plain).macs == 384 * 384
+
+
+def test_models_doc_blocks_run_from_the_repository_root(monkeypatch):
+    """docs/models.md's python blocks, as pasted at the repository root (the .npz example
+    reads tests/fixtures/)."""
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "models.md").read_text()
+    blocks = [b.split("\n", 1)[1] for b in text.split("```python")[1:]]
+    blocks = [b[:b.index("```")] for b in blocks]
+    assert len(blocks) == 2 and "bigvision_dc_params.npz" in blocks[1]
+    monkeypatch.chdir(root)
+    for code in blocks:
+        exec(compile(code, "docs/models.md", "exec"), {})
