@@ -5,20 +5,25 @@
 
 Every key is declared below with its default; an unknown key (in the YAML or on the command
 line) is an error that names the closest known keys. Values are parsed as YAML and checked
-against the declared type. ``save_config`` writes the resolved config to the run directory.
+against the declared type. A file may build on another with ``base: OTHER.yaml``
+(`config_layers`): a recipe is written once, and each model's file states only what differs.
+``save_config`` writes the resolved config to the run directory.
 """
 import dataclasses
 import difflib
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
 from dcvit.io import write_text
 
-__all__ = ["Config", "ConfigError", "load_config", "save_config", "config_to_dict", "all_keys"]
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "config_to_dict", "all_keys",
+           "config_layers", "BASE_KEY"]
+
+BASE_KEY = "base"   # a config file's key naming the file it builds on (`config_layers`)
 
 
 class ConfigError(ValueError):
@@ -219,7 +224,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> List[str]:
 
 
 def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=3, cutoff=0.6)
+    close = difflib.get_close_matches(key, all_keys() + [BASE_KEY], n=3, cutoff=0.6)
     if not close:  # 'lr' -> 'optim.lr': match on the last component too
         last = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
         close = [last[c] for c in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(last), n=3)]
@@ -287,22 +292,60 @@ def _apply(obj: Any, key: str, value: Any) -> None:
     setattr(target, name, _coerce(key, value, hints[name]))
 
 
+def _read_file(path: str) -> Dict[str, Any]:
+    """The mapping of keys in the YAML file at `path`."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of keys, not {type(raw).__name__}")
+    return raw
+
+
+def config_layers(path: str, _seen: Sequence[str] = ()) -> List[Tuple[str, Dict[str, Any]]]:
+    """(file, keys) of the file at `path` and of its bases, the furthest base first.
+
+    A file's ``base: OTHER.yaml`` (a path relative to the file's folder) is read first and the
+    file's own keys are applied on top of it, key by key: a section (``optim:``) changes only
+    the keys it names; a value (``model_kwargs``, a list) replaces the base's. Bases may have
+    bases; a cycle is an error.
+    """
+    raw = dict(_read_file(path))
+    if BASE_KEY not in raw:
+        return [(path, raw)]
+    base = raw.pop(BASE_KEY)
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"{BASE_KEY}={base!r} in config file {path!r} must be the path of another "
+                          f"config file, relative to its folder (e.g. {BASE_KEY}: recipes/deit300.yaml)")
+    base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+    chain = [*_seen, path]
+    if any(os.path.realpath(base_path) == os.path.realpath(p) for p in chain):
+        raise ConfigError(f"config file {path!r}: {BASE_KEY}={base!r} makes a cycle "
+                          f"({' -> '.join(chain + [base_path])}); a base must not lead back to its file")
+    if not os.path.isfile(base_path):
+        raise ConfigError(f"{BASE_KEY}={base!r} in config file {path!r}: {base_path!r} does not exist "
+                          f"(the path is relative to {os.path.dirname(path) or '.'!r})")
+    return config_layers(base_path, chain) + [(path, raw)]
+
+
 def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Config:
-    """The defaults, updated by the YAML file at `path`, then by `key=value` overrides."""
+    """The defaults, updated by the YAML file at `path` (after its ``base:`` files, see
+    `config_layers`), then by `key=value` overrides."""
     cfg = Config()
-    if path:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config file {path!r} must hold a mapping of keys, not {type(raw).__name__}")
+    for file, raw in config_layers(path) if path else ():
         for key, value in raw.items():
-            _apply(cfg, str(key), value)
+            try:
+                _apply(cfg, str(key), value)
+            except ConfigError as e:
+                raise ConfigError(f"config file {file!r}: {e}") from None
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. optim.lr=1e-3)")
+        if key.strip() == BASE_KEY:
+            raise ConfigError(f"{BASE_KEY} can only be set in a config file (use --config FILE; "
+                              f"the file's {BASE_KEY}: names the file it builds on)")
         value = yaml.safe_load(text) if text.strip() else ""
         _apply(cfg, key.strip(), value)
     return cfg.validate()
