@@ -1,6 +1,6 @@
 """FLOP and parameter accounting for one model: fvcore with exact op handles, cross-checked.
 
-Convention (SPEC §3): fvcore's unit, one multiply-add = one "FLOP" (reported as MACs/GMACs).
+Convention (docs/spec.md §3): fvcore's unit, one multiply-add = one "FLOP" (reported as MACs/GMACs).
 fvcore counts the matrix products (``linear``, ``matmul``, ``einsum``, ``conv``), and norms
 at 5 per element; element-wise ops (``add``, ``mul``, ``gelu``, ``tanh``, ``softmax``, ...)
 are *not* counted. They are never silently dropped: every op fvcore skipped is returned in
@@ -276,7 +276,7 @@ def _norm_macs(norm: nn.Module, elements: int) -> int:
 
 
 def _dcmha_macs(attn: DCMHA, n: int) -> Dict[str, int]:
-    """DCMHA's additions to one attention layer over n tokens (SPEC §1.2, formula per term)."""
+    """DCMHA's additions to one attention layer over n tokens (docs/spec.md §1.2, formula per term)."""
     o, c, h = attn.options, attn.dim, attn.num_heads
     r, k = o["rank"], 4 * h
     slots = attn.slots.count

@@ -1,4 +1,4 @@
-"""DCMHA: multi-head self-attention whose heads are composed per token (SPEC §1.2–1.3).
+"""DCMHA: multi-head self-attention whose heads are composed per token (docs/spec.md §1.2–1.3).
 
 `DCMHA` is a drop-in ``attn_layer`` for timm's ``VisionTransformer``: same constructor
 arguments and ``forward`` signature as ``timm.layers.Attention``, same parameter names
@@ -30,7 +30,7 @@ from .matrices import (ComposeMatrices, ComposeSlots, rms_normalize, slot_matric
 
 __all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
 
-# The ablation switches of SPEC §1.3 and their defaults. `dcmha_layers` is a model-level
+# The ablation switches of docs/spec.md §1.3 and their defaults. `dcmha_layers` is a model-level
 # option (which blocks get DCMHA) and lives in dcvit.models.
 DCMHA_OPTIONS: Dict[str, Any] = dict(
     rank=2,
@@ -63,7 +63,7 @@ def _check_input(x: Tensor, dim: int) -> None:
 
 
 class DynamicWeights(nn.Module):
-    """Per-token Compose weights generated from the attention input (SPEC §1.2).
+    """Per-token Compose weights generated from the attention input (docs/spec.md §1.2).
 
     One "slot" per (stage, side) that is composed, out of
     ``pre-query, pre-key, post-query, post-key``. For x of shape (B, N, C)::
@@ -192,7 +192,7 @@ class DCMHA(nn.Module):
     Args (those of ``timm.layers.Attention``):
         dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
         norm_layer, device, dtype.
-    Args (the paper's ablations, SPEC §1.3):
+    Args (the paper's ablations, docs/spec.md §1.3):
         rank: R of the low-rank dynamic projections (>= 1).
         query_wise, key_wise: compose with weights generated per query / per key token.
         pre_compose, post_compose: compose the scores (before softmax) / weights (after).

@@ -7,7 +7,7 @@ Usage (installed as ``dcvit-bench``; ``python scripts/benchmark.py`` is the same
     dcvit-bench --layer --batch-size 16 --tokens 197 --dim 384 --heads 6
     dcvit-bench --model eva02_tiny_patch14_224 --convert rank=2   # converted vs the original
 
-Method (SPEC §5): both models are built in one process and timed alternately (DCViT, ViT,
+Method (docs/spec.md §5): both models are built in one process and timed alternately (DCViT, ViT,
 then ViT, DCViT, ...), after warm-up, same batch, dtype and threads; a figure is the ratio of
 the median step times (throughput ratio = ViT time / DCViT time). Training steps are
 forward + cross-entropy + backward + AdamW. Peak memory is measured in a fresh process per
@@ -17,7 +17,7 @@ model (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over traini
 on CUDA; ``cpp``, ``torch``, ``compile`` on CPU), so that cores can be compared.
 ``--convert [KEY=VALUE ...]`` times ``--model`` converted to DCMHA (`dcvit.convert` with
 those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic
-fast core) against the plain formulation of SPEC §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
+fast core) against the plain formulation of docs/spec.md §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
 Results go to stdout as a table and to ``--json`` (written atomically).
 """
 import argparse

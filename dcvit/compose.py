@@ -40,7 +40,7 @@ def check_compose_args(a: Tensor, qw1: Optional[Tensor], qw2: Optional[Tensor],
                        kw1: Optional[Tensor], kw2: Optional[Tensor],
                        qdd: Optional[Tensor], kdd: Optional[Tensor],
                        static: Optional[Tensor] = None) -> None:
-    """Raise ``ValueError`` naming the offending argument if shapes do not fit SPEC §1.1."""
+    """Raise ``ValueError`` naming the offending argument if shapes do not fit docs/spec.md §1.1."""
     if a.dim() != 4:
         raise ValueError(f"compose: a must have shape (B, H, T, S), got {a.dim()} dims "
                          f"{tuple(a.shape)}")

@@ -1,4 +1,4 @@
-"""Per-token Compose matrices: each Compose stage of SPEC §1.1 as one H×H map per token.
+"""Per-token Compose matrices: each Compose stage of docs/spec.md §1.1 as one H×H map per token.
 
 For query t and key s a stage is one linear map of the heads::
 

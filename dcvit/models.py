@@ -1,4 +1,4 @@
-"""DCViT: timm's VisionTransformer with DCMHA as its attention layer (SPEC §2).
+"""DCViT: timm's VisionTransformer with DCMHA as its attention layer (docs/spec.md §2).
 
 ``import dcvit`` registers these names with timm's registry::
 
@@ -8,7 +8,7 @@
     dcvit_base_patch16_224   (dcvit_base)     768 dim, 12 blocks, 12 heads
 
 and the ViT-M/16 baseline ``vit_medium_patch16_224`` where timm lacks it. Every DCMHA option
-of SPEC §1.3 and ``dcmha_layers`` (indices of the blocks that use DCMHA; default all) are
+of docs/spec.md §1.3 and ``dcmha_layers`` (indices of the blocks that use DCMHA; default all) are
 keyword arguments of ``timm.create_model``.
 """
 import difflib
@@ -101,7 +101,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTrans
     """Adapt a ViT or DCViT state dict to ``model``.
 
     timm's ViT conversions run first (pos-embed resizing, unwrapping ``model``/``state_dict``
-    keys). DCMHA tensors a plain ViT checkpoint lacks keep the model's SPEC initialisation
+    keys). DCMHA tensors a plain ViT checkpoint lacks keep their initialisation (docs/spec.md §1.2)
     and are listed in a log message. A tensor whose shape does not fit raises ``ValueError``.
     """
     # timm's filter drops ``pre_logits.*`` (old ViT checkpoints); the big_vision body has one.

@@ -2,7 +2,7 @@
 """Training-pipeline overhead: train_imagenet's epoch loop on WebDataset shards vs a bare loop.
 
 Both sides train the same model with the same optimizer, loss and batch size, alternating in
-one process (SPEC §5): the bare loop feeds batches that were decoded and transformed in
+one process (docs/spec.md §5): the bare loop feeds batches that were decoded and transformed in
 advance and held in memory; the pipeline reads the shards, decodes, transforms, shuffles and
 batches them with DataLoader workers, runs mixup-free steps through `train_one_epoch`
 (scheduler, loss sync, checkpoint hook). The ratio of their images/s is the overhead. A third

@@ -1,4 +1,4 @@
-"""FLOP and parameter accounting (SPEC §3): fvcore with exact handles, and its cross-checks."""
+"""FLOP and parameter accounting (docs/spec.md §3): fvcore with exact handles, and its cross-checks."""
 import math
 
 import pytest
@@ -12,7 +12,7 @@ import dcvit  # noqa: F401  (registers the DCViT models)
 from dcvit.accounting import (MATMUL_OPS, account, analytic_macs, einsum_macs, flop_counter_macs,
                               module_table)
 
-# Published fvcore anchors at 224x224 (SPEC §3, fused attention off in their source).
+# Published fvcore anchors at 224x224 (docs/spec.md §3, fused attention off in their source).
 ANCHORS = {
     "vit_tiny_patch16_224": 1_258_411_200,
     "vit_small_patch16_224": 4_608_338_304,
@@ -107,7 +107,7 @@ def test_dcvit_small_params_and_analytic_formula(dcvit_small, vit_small):
     model_base, base = vit_small
     c, h, r, depth = 384, 6, 2, 12
     k = 4 * h
-    per_layer = c * 4 * k + 4 * k * 2 * r * h + c * 4 * h          # SPEC §1.2
+    per_layer = c * 4 * k + 4 * k * 2 * r * h + c * 4 * h          # docs/spec.md §1.2
     assert acc.params == base.params + depth * per_layer
     assert acc.params == sum(p.numel() for p in model.parameters())
 
@@ -119,7 +119,7 @@ def test_dcvit_small_params_and_analytic_formula(dcvit_small, vit_small):
         assert rows[f"blocks.*.attn.{name}"]["macs"] == parts[name] > 0
     assert rows["blocks.*.attn.dynamic_weights"]["params"] == depth * per_layer
     extra = acc.macs / base.macs - 1
-    assert 0.03 < extra < 0.04, f"DCViT-S extra MACs {extra:.2%}, SPEC §3 expects about +3-4 %"
+    assert 0.03 < extra < 0.04, f"DCViT-S extra MACs {extra:.2%}, docs/spec.md §3 expects about +3-4 %"
     assert analytic_macs(model_base)["total"] == base.macs
 
 

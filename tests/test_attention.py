@@ -1,4 +1,4 @@
-"""DCMHA against an independent float64 re-derivation of SPEC §1.2–1.3, and the §1.4 identities."""
+"""DCMHA against an independent float64 re-derivation of docs/spec.md §1.2–1.3, and the §1.4 identities."""
 import math
 
 import pytest
@@ -126,7 +126,7 @@ def test_gradients_match_independent_reference(case):
 
 @pytest.mark.parametrize("qkv_bias,qk_norm", [(True, False), (False, True)])
 def test_zero_dynamic_weights_is_timm_attention(qkv_bias, qk_norm):
-    """SPEC §1.4 (1): with qkw = 0 and dd_w = 0, DCMHA is multi-head attention."""
+    """docs/spec.md §1.4 (1): with qkw = 0 and dd_w = 0, DCMHA is multi-head attention."""
     torch.manual_seed(0)
     kw = dict(num_heads=H, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=torch.nn.LayerNorm)
     layer = DCMHA(C, **kw).eval()

@@ -89,7 +89,7 @@ def test_parameter_counts_and_dc_overhead():
     assert counts["vit_small_patch16_bv_224"] == 22_122_472
     assert counts["dcvit_small_patch16_bv_224"] == 22_705_480
     for name, (c, h) in zip(BV, [(192, 3), (384, 6), (512, 8), (768, 12)]):
-        # SPEC §1.2 overhead + two static H×H matrices + two scale-only q/k norms, per layer
+        # docs/spec.md §1.2 overhead + two static H×H matrices + two scale-only q/k norms, per layer
         per_layer = c * 16 * h + 4 * 4 * h * 4 * h + c * 4 * h + 2 * h * h + 2 * (c // h)
         assert counts["dc" + name] - counts[name] == 12 * per_layer
         assert 1.01 < counts["dc" + name] / counts[name] < 1.03

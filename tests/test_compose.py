@@ -1,4 +1,4 @@
-"""`dcvit.compose` against SPEC §1.1, term by term, with an independent float64 formula."""
+"""`dcvit.compose` against docs/spec.md §1.1, term by term, with an independent float64 formula."""
 import itertools
 
 import numpy as np
@@ -11,7 +11,7 @@ B, H, T, S = 2, 3, 4, 5
 
 
 def naive_compose(a, qw1=None, qw2=None, kw1=None, kw2=None, qdd=None, kdd=None, static=None):
-    """SPEC §1.1 written as explicit loops over indices in NumPy float64."""
+    """docs/spec.md §1.1 written as explicit loops over indices in NumPy float64."""
     a = a.double().numpy()
     np_ = lambda t: None if t is None else t.double().numpy()  # noqa: E731
     qw1, qw2, kw1, kw2, qdd, kdd, static = map(np_, (qw1, qw2, kw1, kw2, qdd, kdd, static))

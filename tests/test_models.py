@@ -184,7 +184,7 @@ def test_vit_checkpoint_loads_into_dcvit(tmp_path, caplog, fmt):
     assert "blocks.11.attn.dynamic_weights.dd_w" in caplog.text
     torch.testing.assert_close(model.blocks[3].attn.qkv.weight, vit.blocks[3].attn.qkv.weight)
     torch.testing.assert_close(model.head.weight, vit.head.weight)
-    # The DCMHA tensors are SPEC-initialised (not zeros, not timm's 0.02 Linear init).
+    # The DCMHA tensors are initialised as docs/spec.md §1.2 says (not zeros, not timm's 0.02 Linear init).
     dw1 = model.blocks[0].attn.dynamic_weights.dw1
     assert dw1.std().item() == pytest.approx((2 / (192 + 12)) ** 0.5, rel=0.1)
     # And the same load through dcvit.load_weights.
