@@ -16,6 +16,8 @@ Supported attention modules (`SUPPORTED`):
   layer of the ``dcvit_*`` models (a converted ViT has a DCViT's state-dict keys).
 * ``timm.models.eva.EvaAttention`` (EVA, EVA-02, ViTs with rotary embeddings): q/k/v bias
   layout, rotary embeddings, sub-LN kept as they are -> `DCEvaAttention`.
+* ``timm.layers.AttentionRope`` (``Eva`` models with ``attn_type='rope'``: the Perception
+  Encoder ``vit_pe_*``; grouped-query attention included) -> `DCAttentionRope`.
 * ``timm.models.swin_transformer.WindowAttention`` (Swin) -> `DCWindowAttention`.
 
 Where position terms and masks sit. DCMHA composes ``scale * q k^T`` (pre-compose), then
@@ -41,7 +43,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention
+from timm.layers import Attention, AttentionRope
 from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import EvaAttention
 from timm.models.swin_transformer import WindowAttention
@@ -49,7 +51,7 @@ from torch import Tensor, nn
 
 from .attention import DCMHA, DCMHA_OPTIONS
 
-__all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCWindowAttention",
+__all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
            "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
            "dcmha_parameters", "fit_state_dict"]
 
@@ -62,6 +64,8 @@ SUPPORTED: Dict[str, str] = {
     "timm.layers.Attention": "VisionTransformer: ViT, DeiT, DeiT-III, FlexiViT, ViT with registers, "
                              "SigLIP towers, ...",
     "timm.models.eva.EvaAttention": "EVA, EVA-02, ViTs with rotary embeddings (Eva)",
+    "timm.layers.AttentionRope": "Eva models with attn_type='rope' (Perception Encoder vit_pe_*), "
+                                 "grouped-query attention included",
     "timm.models.swin_transformer.WindowAttention": "Swin Transformer",
 }
 
@@ -112,6 +116,35 @@ class DCEvaAttention(_ComposedCore, EvaAttention):
         out = self._core(q, k, v, x, attn_mask, is_causal)                           # (B, H, N, D)
         out = out.transpose(1, 2).reshape(B, N, -1)
         out = self.norm(out)
+        if gate is not None:
+            out = out * gate
+        return self.proj_drop(self.proj(out))
+
+
+class DCAttentionRope(_ComposedCore, AttentionRope):
+    """timm's ``AttentionRope`` (rotary embeddings, grouped-query attention) with DCMHA's core:
+    k and v heads are repeated to the query heads before the core, as in the original."""
+
+    def forward(self, x: Tensor, rope: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
+                is_causal: bool = False) -> Tensor:
+        B, N, C = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q = self.q_proj(x).reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)      # (B, H, N, D)
+            k = self.k_proj(x).reshape(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            v = self.v_proj(x).reshape(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            npt, half = self.num_prefix_tokens, getattr(self, "rotate_half", False)
+            q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+            k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+        if self.num_kv_groups > 1:
+            k = k.repeat_interleave(self.num_kv_groups, dim=1)
+            v = v.repeat_interleave(self.num_kv_groups, dim=1)
+        out = self._core(q, k, v, x, attn_mask, is_causal)                           # (B, H, N, D)
+        out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
         return self.proj_drop(self.proj(out))
@@ -205,6 +238,11 @@ def _from_eva(attn: EvaAttention, options: Dict[str, Any], where: str) -> DCEvaA
     return _with_core(attn, DCEvaAttention, dim, options, where)
 
 
+def _from_rope(attn: AttentionRope, options: Dict[str, Any], where: str) -> DCAttentionRope:
+    dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
+    return _with_core(attn, DCAttentionRope, dim, options, where)
+
+
 def _from_window(attn: WindowAttention, options: Dict[str, Any], where: str) -> DCWindowAttention:
     return _with_core(attn, DCWindowAttention, attn.qkv.in_features, options, where)
 
@@ -213,6 +251,7 @@ def _from_window(attn: WindowAttention, options: Dict[str, Any], where: str) -> 
 _CONVERTERS: Dict[type, Callable[[Any, Dict[str, Any], str], nn.Module]] = {
     Attention: _from_attention,
     EvaAttention: _from_eva,
+    AttentionRope: _from_rope,
     WindowAttention: _from_window,
 }
 

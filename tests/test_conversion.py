@@ -10,7 +10,7 @@ from torch import nn
 
 import dcvit
 from dcvit import DCMHA
-from dcvit.conversion import DCEvaAttention, DCWindowAttention, converted_layers
+from dcvit.conversion import DCAttentionRope, DCEvaAttention, DCWindowAttention, converted_layers
 from dcvit.fused import attention_impl
 
 # A small random instance of each supported family (timm's own builders, small widths).
@@ -27,10 +27,13 @@ FAMILIES = {
     "eva02": ("eva02_tiny_patch14_224", dict(img_size=28, patch_size=7, embed_dim=48, depth=2, num_heads=4)),
     "eva02_clip_unfused_qkv": ("eva02_base_patch16_clip_224", dict(img_size=32, patch_size=8, embed_dim=48,
                                                                    depth=2, num_heads=4, ref_feat_shape=(4, 4))),
+    "pe_rope_gqa": ("vit_pe_core_tiny_patch16_384", dict(img_size=32, patch_size=8, embed_dim=48, depth=2,
+                                                        num_heads=4, num_kv_heads=2, qkv_fused=False)),
     "swin": ("swin_tiny_patch4_window7_224", dict(img_size=64, patch_size=4, embed_dim=24, depths=(2, 2),
                                                   num_heads=(2, 4), window_size=4)),
 }
-LAYER_TYPE = {"eva02": DCEvaAttention, "eva02_clip_unfused_qkv": DCEvaAttention, "swin": DCWindowAttention}
+LAYER_TYPE = {"eva02": DCEvaAttention, "eva02_clip_unfused_qkv": DCEvaAttention, "swin": DCWindowAttention,
+              "pe_rope_gqa": DCAttentionRope}
 CORES = ("auto", "torch", "reference")
 
 
@@ -69,7 +72,7 @@ def test_identity_conversion_is_exact_on_every_core(family):
     converted = dcvit.convert(copy.deepcopy(model))
     layers = converted_layers(converted)
     assert len(layers) == len([m for m in model.modules() if type(m).__name__ in
-                               ("Attention", "EvaAttention", "WindowAttention")])
+                               ("Attention", "EvaAttention", "AttentionRope", "WindowAttention")])
     assert all(isinstance(converted.get_submodule(n), LAYER_TYPE.get(family, DCMHA)) for n in layers)
     for core in CORES:
         with torch.no_grad(), attention_impl(core):
@@ -89,7 +92,7 @@ def test_identity_conversion_is_exact_in_float64(family):
             assert rel_err(converted(x), ref) <= 1e-12, core
 
 
-@pytest.mark.parametrize("family", ["vit", "eva02", "swin"])
+@pytest.mark.parametrize("family", ["vit", "eva02", "pe_rope_gqa", "swin"])
 def test_identity_conversion_trains_like_the_original(family):
     """Train mode, with autograd: same loss and same gradients for the original weights; the
     DCMHA parameters that start the composition (second low-rank factor, gates) get gradients."""

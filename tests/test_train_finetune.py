@@ -1,6 +1,7 @@
 """Fine-tuning with DCMHA in `python -m train_imagenet`: pretrained file -> convert -> train;
 evaluation and resume of a converted run; checkpoints across the conversion."""
 import json
+from pathlib import Path
 
 import pytest
 import timm
@@ -139,3 +140,22 @@ def test_parameter_groups_of_a_converted_model():
     rest = [p for g in groups if "lr_scale" not in g for p in g["params"]]
     assert len(rest) + len(new) == len(list(model.parameters())) and not new & {id(p) for p in rest}
     assert {g["weight_decay"] for g in groups if "lr_scale" not in g} == {0.0, 0.05}
+
+
+def test_big_vision_npz_is_read_by_the_models_loader_then_converted():
+    """``pretrained=params.npz`` goes to the model's own ``load_pretrained`` (the authors'
+    big_vision ViT fixture); the converted model computes what the loaded one does."""
+    npz = Path(__file__).parent / "fixtures" / "bigvision_vit_params.npz"
+    size = "model_kwargs={img_size: 16, patch_size: 4, embed_dim: 16, depth: 2, num_heads: 4, mlp_ratio: 2.0}"
+    base = ["model=vit_tiny_patch16_bv_224", size, "data.num_classes=10", "data.img_size=16", f"pretrained={npz}"]
+    plain = build_model(load_config(None, base)).eval()
+    converted = build_model(load_config(None, base + ["convert.enabled=true"])).eval()
+    expected = timm.create_model("vit_tiny_patch16_bv_224", pretrained=True, img_size=16, patch_size=4,
+                                 embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0, num_classes=10,
+                                 pretrained_cfg_overlay=dict(file=str(npz))).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(plain(x), expected(x))
+        ref = expected(x)
+        assert ((converted(x) - ref).abs().max() / ref.abs().max()).item() <= 1e-6
+    assert dcvit.conversion.is_converted(converted)
