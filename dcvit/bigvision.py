@@ -19,7 +19,7 @@ it, `BV_DCMHA_OPTIONS`). Every DCMHA option remains a ``timm.create_model`` keyw
 checkpoint through `dcvit.bigvision_npz`.
 """
 import math
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 from timm.layers import lecun_normal_

@@ -9,7 +9,6 @@ fail (data paths, sample counts, classes, checkpoint architecture) runs before t
 """
 import argparse
 import importlib.util
-import math
 import os
 import sys
 from typing import Any, Dict, List, Optional
