@@ -19,7 +19,7 @@ from typing import Any, Dict, Optional, Tuple, Type
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention
+from timm.layers import Attention, register_notrace_module
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
@@ -60,6 +60,14 @@ def _check_input(x: Tensor, dim: int) -> None:
     if x.dim() != 3 or x.shape[-1] != dim:
         raise ValueError("DCMHA expects input of shape (B, N, " + str(dim) + "), got "
                          + str(list(x.shape)))
+
+
+@torch.fx.wrap
+def _eager_core(layer: "DCMHA", q: Tensor, k: Tensor, v: Tensor, x: Tensor,
+                attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
+    """``layer._core(...)``, one call in an FX graph: a symbolically traced model runs the
+    same attention core as the eager model (bit-equal outputs and gradients)."""
+    return layer._core(q, k, v, x, attn_mask, is_causal)
 
 
 class DynamicWeights(nn.Module):
@@ -332,7 +340,7 @@ class DCMHA(nn.Module):
                 w1, w2, dd = self.dynamic_weights(x)
             x = self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)   # (B, H, N, D)
         else:
-            x = self._core(q, k, v, x, attn_mask, is_causal)                      # (B, H, N, D)
+            x = _eager_core(self, q, k, v, x, attn_mask, is_causal)               # (B, H, N, D)
 
         x = x.transpose(1, 2).reshape(B, N, C)
         x = self.norm(x)
@@ -409,6 +417,12 @@ class DCMHA(nn.Module):
         return ", ".join(f"{k}={v}" for k, v in self.options.items())
 
 
+# timm's FX tracer (feature extraction, ``features_only=True, feature_cls="fx"``) keeps the
+# layer as one node, so that a traced model can also be scripted (the scripted layer runs
+# the reference core); torch.fx.symbolic_trace records `_eager_core` as one call instead.
+register_notrace_module(DCMHA)
+
+
 def dcmha_layer(**options: Any) -> Type[DCMHA]:
     """A `DCMHA` class with the given ablation options as its defaults.
 
@@ -423,6 +437,9 @@ def dcmha_layer(**options: Any) -> Type[DCMHA]:
     class ConfiguredDCMHA(DCMHA):
         def __init__(self, dim: int, **kwargs: Any) -> None:
             super().__init__(dim, **{**bound, **kwargs})
+            # A plain DCMHA once built (its options live on the instance): instances of a
+            # class defined in this function could not be pickled.
+            self.__class__ = DCMHA
 
     ConfiguredDCMHA.__name__ = ConfiguredDCMHA.__qualname__ = "DCMHA"
     return ConfiguredDCMHA

@@ -19,7 +19,7 @@ custom op:
 
 * ``"compile"``: plain differentiable PyTorch written for inductor to fuse (no graph breaks);
 * ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
-  TorchScript and FX tracing use it).
+  TorchScript, ``torch.jit.trace`` and ``torch.export`` use it).
 
 `select_impl` is the one place that picks a core (by device, dtype and context);
 `attention_impl` forces one. The per-slot Compose matrices travel as
@@ -69,11 +69,19 @@ def _is_fx_tracing() -> bool:
     return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
+def _is_exporting() -> bool:
+    """Inside torch.export (and so the ONNX exporter): the program gets standard ops only."""
+    is_exporting = getattr(torch.compiler, "is_exporting", None)
+    return bool(is_exporting is not None and is_exporting())
+
+
 def select_impl(layer_impl: str, q: Tensor, training: bool = False) -> str:
     """The attention core to run on queries ``q`` (B, H, N, D): the one place that picks it.
 
-    FX or ``torch.jit.trace`` tracing (fvcore traces) -> ``reference`` whatever is forced,
-    so that the trace records every op rather than one opaque fused call. Otherwise the
+    ``torch.jit.trace`` tracing (fvcore traces) or ``torch.export`` (ONNX export) ->
+    ``reference`` whatever is forced, so that the trace records every op rather than one
+    opaque fused call and an exported program holds standard ops only. (FX symbolic tracing
+    records DCMHA's core as one call, which runs this selection when the graph runs.) Otherwise the
     forced core (context, then layer) or, for ``auto``: inside ``torch.compile`` -> ``cpp``
     on CPU when the kernel builds (a custom op the graph keeps), on CUDA the measured core
     (`CUDA_MEASURED`) or else ``compile``; CUDA eager -> the measured core, or else
@@ -85,8 +93,8 @@ def select_impl(layer_impl: str, q: Tensor, training: bool = False) -> str:
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
-    if _is_fx_tracing() or torch.jit.is_tracing():
-        return "reference"
+    if _is_fx_tracing() or torch.jit.is_tracing() or _is_exporting() or q.device.type == "meta":
+        return "reference"                           # meta: shapes only, as timm's config tests run
     cpu = q.device.type == "cpu"
     cuda = q.device.type == "cuda"
     if name == "auto":

@@ -159,8 +159,8 @@ def load_image(model: torch.nn.Module, image: Optional[Path], digit: int,
     if image is not None:
         pic = Image.open(image).convert("RGB")
     else:
-        from sklearn.datasets import load_digits
-        images = load_digits().images
+        from dcvit.optional import require
+        images = require("sklearn.datasets", "--digit (scikit-learn's digits)").load_digits().images
         if not 0 <= digit < len(images):
             raise ValueError(f"--digit {digit} is not an index of the {len(images)} digits")
         pic = digit_image(images[digit], 32)
@@ -220,8 +220,8 @@ def figure_size(num_heads: int) -> Tuple[int, int]:
 
 
 def plot_maps(pic: Image.Image, maps: Dict[str, Any], title: str, out: Path) -> Path:
-    import matplotlib
-    matplotlib.use("Agg")
+    from dcvit.optional import require
+    require("matplotlib", "the attention-map figure").use("Agg")
     import matplotlib.pyplot as plt
 
     before, after = maps["before"], maps["after"]                                 # (H, gh, gw)

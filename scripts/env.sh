@@ -14,7 +14,7 @@ fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "[env] installing dcvit and its dependencies into $venv (the first time takes a few minutes)"
     log="$venv/install.log"
-    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -e "$root[test]" >"$log" 2>&1; then
+    if ! "$venv/bin/python" -m pip install --disable-pip-version-check -e "$root[test,quickstart]" >"$log" 2>&1; then
         tail -n 30 "$log"
         echo "[env] pip install failed; full log: $log" >&2
         return 1 2>/dev/null || exit 1

@@ -21,10 +21,10 @@ from typing import Dict, List
 
 import numpy as np
 from PIL import Image
-from sklearn.datasets import load_digits
 from tqdm import tqdm
 
 from dcvit.io import atomic_write, write_json
+from dcvit.optional import require
 
 __all__ = ["split_indices", "digit_image", "prepare_digits"]
 
@@ -74,7 +74,7 @@ def prepare_digits(out: os.PathLike, size: int = 32, val_fraction: float = 0.2, 
     if size < 8:
         raise ValueError(f"size must be >= 8 (the digits are 8x8), got {size}")
     out = Path(out)
-    digits = load_digits()
+    digits = require("sklearn.datasets", "the quick start's digits").load_digits()
     images, labels = digits.images, digits.target                      # (1797, 8, 8), (1797,)
     splits = split_indices(labels, val_fraction, seed)
     manifest = {

@@ -155,7 +155,7 @@ def test_fx_trace_equals_eager(name):
     _, eval_nodes = get_graph_node_names(model)
     fx_model = create_feature_extractor(model, [eval_nodes[-1]])
     x = torch.randn(1, 3, 32, 32)
-    torch.testing.assert_close(list(fx_model(x).values())[0], model(x))
+    torch.testing.assert_close(list(fx_model(x).values())[0], model(x), rtol=0, atol=0)
 
 
 def test_bfloat16_autocast_forward_backward():

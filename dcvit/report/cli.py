@@ -64,7 +64,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ReportError as e:
         parser.exit(2, f"dcvit-report: error: {e}\n")
     command = "dcvit-report " + " ".join(sys.argv[1:] if argv is None else argv)
-    paths = write_report(report, args.out, command)
+    try:
+        paths = write_report(report, args.out, command)
+    except ImportError as e:                          # matplotlib missing: name the extra
+        parser.exit(2, f"dcvit-report: error: {e}\n")
     for r in report.rows:
         print(f"{str(ModelSpec.of(r['model'], r['model_kwargs'], r.get('convert'))):50s} params {r['params']:>12,} "
               f"({r['extra_params_pct']:+.2f} %)  MACs {r['macs']:>15,} ({r['extra_macs_pct']:+.2f} %)"

@@ -2,6 +2,7 @@
 import io
 import re
 
+from ..optional import require
 from .efficiency import curve_points, group_text
 from .measure import Report
 
@@ -14,8 +15,7 @@ def _short(name: str) -> str:
 
 
 def report_png(report: Report) -> bytes:
-    import matplotlib
-    matplotlib.use("Agg")
+    require("matplotlib", "dcvit-report's figure (report.png)").use("Agg")
     import matplotlib.pyplot as plt
 
     rows = report.rows
