@@ -66,7 +66,8 @@ def _check_impl(name: str) -> None:
 
 
 def _is_fx_tracing() -> bool:
-    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+    fx = torch.fx._symbolic_trace                    # is_fx_symbolic_tracing: torch >= 2.5
+    return getattr(fx, "is_fx_symbolic_tracing", fx.is_fx_tracing)()
 
 
 def _is_exporting() -> bool:

@@ -227,8 +227,10 @@ def plot_maps(pic: Image.Image, maps: Dict[str, Any], title: str, out: Path) -> 
     before, after = maps["before"], maps["after"]                                 # (H, gh, gw)
     heads = before.shape[0]
     width, height = figure_size(heads)
-    fig, axes = plt.subplots(3, heads + 1, figsize=(width / DPI, height / DPI), dpi=DPI,
-                             squeeze=False, layout="constrained")
+    # A quarter pixel over: matplotlib before 3.11 truncates the pixel size (5.1 in x 100 dpi
+    # is 509.99.. px), later releases round it.
+    fig, axes = plt.subplots(3, heads + 1, figsize=((width + 0.25) / DPI, (height + 0.25) / DPI),
+                             dpi=DPI, squeeze=False, layout="constrained")
     vmin, vmax = min(before.min(), after.min()), max(before.max(), after.max())
     diff = after - before
     dmax = max(float(np.abs(diff).max()), 1e-12)

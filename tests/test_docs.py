@@ -1,5 +1,6 @@
 """The docs run: every ```python block of the README, docs/api.md, docs/dcmha.md and
-docs/finetune.md, and every relative link of the README and docs/*.md resolves.
+docs/finetune.md, docs/deploying.md, and every relative link of the README and docs/*.md
+resolves.
 
 Each block runs on its own, in a fresh namespace and an empty working directory, so every
 snippet is pasteable as it stands. A block preceded by the line ``<!-- slow -->`` is marked
@@ -15,7 +16,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-RUN_DOCS = ("api.md", "dcmha.md", "finetune.md", "../README.md")
+RUN_DOCS = ("api.md", "dcmha.md", "finetune.md", "deploying.md", "../README.md")
 LINK_DOCS = tuple(sorted(p.name for p in DOCS.glob("*.md"))) + ("../README.md",)
 FENCE = re.compile(r"^```(\w*)\s*$")
 
