@@ -259,6 +259,14 @@ class DCMHA(nn.Module):
             raise ValueError(f"DCMHA: dynamic_act must be one of {DYNAMIC_ACTS}, got {dynamic_act!r}")
         if not 0.0 <= float(dynamic_drop) < 1.0:
             raise ValueError(f"DCMHA: dynamic_drop must be a rate in [0, 1), got {dynamic_drop!r}")
+        switches = dict(query_wise=query_wise, key_wise=key_wise, pre_compose=pre_compose,
+                        post_compose=post_compose, dynamic_proj=dynamic_proj,
+                        dynamic_gate=dynamic_gate, static_proj=static_proj,
+                        qk_norm_bias=qk_norm_bias)
+        not_bool = {k: v for k, v in switches.items() if not isinstance(v, bool)}
+        if not_bool:  # a string such as "no" would read as True
+            raise TypeError(f"DCMHA: {', '.join(f'{k}={v!r}' for k, v in not_bool.items())} must "
+                            f"be True or False")
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError("DCMHA: norm_layer must be given when qk_norm or scale_norm is True")
         dd = {"device": device, "dtype": dtype}

@@ -3,9 +3,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
-__all__ = ["atomic_write", "write_text", "write_json"]
+__all__ = ["atomic_write", "write_text", "write_json", "unwritable_dir"]
 
 PathLike = Union[str, os.PathLike]
 
@@ -45,3 +45,25 @@ def write_text(path: PathLike, text: str) -> Path:
 def write_json(path: PathLike, obj: Any, indent: int = 2) -> Path:
     """Write ``obj`` as JSON to ``path`` atomically."""
     return write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def unwritable_dir(path: PathLike, key: str = "--out") -> Optional[str]:
+    """None when ``path`` is a directory a file can be written to, or can be created as one,
+    else why not, as a message naming ``key`` and the fix. Creates nothing (a probe file is
+    made and removed in the nearest existing folder); meant to run before long work."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        return f"{key} {str(path)!r} is a file, not a directory; give a directory path"
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{str(existing)!r} is a file")
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".write-test.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return (f"{key} {str(path)!r} cannot be written ({type(e).__name__}: {e.strerror or e}); "
+                f"give a writable directory")
+    return None

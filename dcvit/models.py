@@ -72,6 +72,9 @@ def _check_kwargs(variant: str, kwargs: Dict[str, Any], dc: bool = True,
 def _resolve_layers(variant: str, dcmha_layers: Optional[Iterable[int]], depth: int) -> set:
     if dcmha_layers is None:
         return set(range(depth))
+    if isinstance(dcmha_layers, (int, str)):
+        raise TypeError(f"{variant}: dcmha_layers={dcmha_layers!r} must be a list of block "
+                        f"indices, e.g. dcmha_layers=[{dcmha_layers}] (or None for every block)")
     layers = set()
     for i in dcmha_layers:
         if not isinstance(i, int) or isinstance(i, bool) or not -depth <= i < depth:

@@ -17,17 +17,34 @@ PathLike = Union[str, os.PathLike]
 
 
 def save_weights(model: nn.Module, path: PathLike) -> Path:
-    """Write ``model``'s state dict as safetensors, atomically (temp file + rename)."""
+    """Write ``model``'s state dict as safetensors, atomically (temp file + rename).
+
+    ``path`` must end in ``.safetensors`` (another name would hide the format from readers).
+    """
+    if Path(path).suffix != ".safetensors":
+        raise ValueError(f"save_weights writes safetensors: name the file "
+                         f"{str(Path(path).with_suffix('.safetensors'))!r}, not {str(path)!r} "
+                         f"(for a .pth use torch.save(model.state_dict(), path))")
     tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
 
 
+def _is_safetensors(path: Path) -> bool:
+    """A safetensors file begins with its header's length (8 bytes, little-endian) and '{'."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) < 9 or head[8:9] != b"{":
+        return False
+    return 0 < int.from_bytes(head[:8], "little") <= path.stat().st_size - 8
+
+
 def read_state_dict(path: PathLike) -> Dict[str, torch.Tensor]:
-    """Read a ``.safetensors`` file or a ``.pth``/``.pt`` file (``weights_only=True``)."""
+    """Read a ``.safetensors`` file (by its name or its content) or a ``.pth``/``.pt`` file
+    (``weights_only=True``)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"weights file {str(path)!r} does not exist")
-    if path.suffix == ".safetensors":
+    if path.suffix == ".safetensors" or _is_safetensors(path):
         return load_file(str(path))
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(state, dict):

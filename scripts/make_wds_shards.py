@@ -491,13 +491,17 @@ def verify_shard(task: tuple[str, int]) -> dict:
 
 
 def verify(out: Path, splits: Sequence[str] | None, workers: int, progress: bool = True) -> list[str]:
-    """Problems found in the shards of ``out`` (every split with metadata unless ``splits``)."""
+    """Problems found in the shards of ``out`` (every split with metadata unless ``splits``),
+    printed; a missing folder is a ConversionError (bad input, exit status 2)."""
     if not out.is_dir():
-        return [f"shard folder {out} does not exist"]
+        raise ConversionError(f"--verify {out}: no such folder; give the --out folder of the shards")
     if splits is None:
         splits = sorted(p.stem for p in out.glob("*.json") if p.stem != "classes")
-        if not splits:
-            return [f"no split metadata (<split>.json) in {out}; write shards with --src/--out first"]
+        if not splits:  # empty, or a conversion stopped before writing its metadata
+            problem = (f"no split metadata (<split>.json) in {out}: write shards with --src/--out "
+                       f"first (an interrupted conversion leaves none: re-run it)")
+            print(f"verify: {problem}", file=sys.stderr)
+            return [problem]
     problems: list[str] = []
     classes = None
     if (out / CLASSES_FILE).exists():

@@ -401,3 +401,13 @@ def test_command_line_writes_prints_pattern_and_verifies(folder, tmp_path):
     assert f"train shards: {out}/train-{{000000..{n - 1:06d}}}.tar" in run.stdout
     assert "verify train:" in run.stdout and "OK" in run.stdout
     assert "img/s" in run.stderr or "img]" in run.stderr  # progress bar
+
+
+@pytest.mark.parametrize("make", ["missing", "empty"])
+def test_verify_of_a_missing_or_empty_folder_says_so(tmp_path, capsys, make):
+    folder = tmp_path / "shards"
+    if make == "empty":
+        folder.mkdir()
+    assert mws.main(["--verify", str(folder), "--no-progress"]) == (2 if make == "missing" else 1)
+    err = capsys.readouterr().err
+    assert str(folder) in err and ("no such folder" if make == "missing" else "no split metadata") in err

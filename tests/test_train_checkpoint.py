@@ -1,52 +1,77 @@
-"""train_imagenet.checkpoint: `resume=auto` discovery by listing, warnings for unreadable
-checkpoints, and the rank-0 pick every rank then loads."""
+"""train_imagenet.checkpoint: checksums verified on load, `resume=auto` walking back past
+damaged checkpoints (named in a warning, set aside), and the rank-0 pick every rank loads."""
 import logging
+import os
 
 import pytest
 import torch
 
 import train_imagenet.__main__ as entry
-from train_imagenet.checkpoint import find_latest, list_checkpoints, save_checkpoint
+from train_imagenet.checkpoint import (CheckpointError, content_digest, list_checkpoints,
+                                       load_checkpoint, load_latest, save_checkpoint)
 from train_imagenet.distributed import DistInfo
 
 
 def _save(run_dir, epoch, update):
-    return save_checkpoint({"model": {"w": torch.full((2,), float(update))}, "epoch": epoch,
-                            "update": update}, str(run_dir), keep=10)
+    return save_checkpoint({"model": {"w": torch.full((64,), float(update))}, "epoch": epoch,
+                            "update": update, "arch": {"model": "m"}}, str(run_dir), keep=10)
 
 
-def test_find_latest_names_newest_without_loading(tmp_path, monkeypatch):
-    paths = [_save(tmp_path, e, u) for e, u in [(0, 9), (1, 10), (2, 100)]]
-    assert list_checkpoints(str(tmp_path)) == paths                 # by update count, not name
-    def no_load(*a, **k):
-        raise AssertionError("find_latest loaded a checkpoint")
-    monkeypatch.setattr(torch, "load", no_load)
-    assert find_latest(str(tmp_path)) == paths[-1]
-    assert find_latest(str(tmp_path / "empty")) is None
+def _flip_tensor_byte(path, value):
+    """Alters one byte inside the stored tensor (the file still unpickles)."""
+    data = bytearray(open(path, "rb").read())
+    needle = torch.full((64,), float(value)).numpy().tobytes()
+    at = bytes(data).index(needle) + 5
+    data[at] ^= 0x40
+    open(path, "wb").write(bytes(data))
 
 
-def test_find_latest_warns_about_unreadable_checkpoints(tmp_path, caplog):
+def test_checksum_covers_every_value():
+    state = {"model": {"w": torch.arange(4.0)}, "epoch": 1, "rng": [1, [2, 3]], "x": None}
+    base = content_digest(state)
+    assert content_digest({**state, "checksum": {"sha256": "anything"}}) == base
+    for changed in ({**state, "epoch": 2}, {**state, "rng": [1, [2, 4]]},
+                    {**state, "model": {"w": torch.arange(4.0).double()}},
+                    {**state, "model": {"w": torch.tensor([0.0, 1.0, 2.0, 3.5])}}):
+        assert content_digest(changed) != base
+
+
+def test_altered_bytes_are_found_on_load(tmp_path):
+    path = _save(tmp_path, 0, 4)
+    assert load_checkpoint(path)["checksum"]["sha256"]
+    _flip_tensor_byte(path, 4)
+    torch.load(path, weights_only=True)                            # still unpickles
+    with pytest.raises(CheckpointError, match="is damaged: its content does not match"):
+        load_checkpoint(path)
+
+
+def test_load_latest_falls_back_past_damaged_checkpoints(tmp_path, caplog):
     good = _save(tmp_path, 0, 4)
-    truncated = _save(tmp_path, 1, 8)
+    altered = _save(tmp_path, 1, 8)
+    _flip_tensor_byte(altered, 8)
+    truncated = _save(tmp_path, 2, 12)
     with open(truncated, "r+b") as f:
         f.truncate(100)
-    garbage = tmp_path / "ckpt-e0002-u00000012.pth"
+    garbage = tmp_path / "ckpt-e0003-u00000016.pth"
     garbage.write_bytes(b"not a checkpoint")
     with caplog.at_level(logging.WARNING, logger="train_imagenet.checkpoint"):
-        assert find_latest(str(tmp_path)) == good
-    text = caplog.text
-    assert str(garbage) in text and str(truncated) in text and "BadZipFile" in text
+        path, state = load_latest(str(tmp_path))
+    assert path == good and state["update"] == 4
+    for bad in (str(garbage), truncated, altered):
+        assert bad in caplog.text and os.path.exists(bad + ".corrupt") and not os.path.exists(bad)
+    assert list_checkpoints(str(tmp_path)) == [good]
+    assert load_latest(str(tmp_path / "empty")) == (None, None)
 
 
 def test_resume_pick_is_made_on_rank_0_and_broadcast(tmp_path, monkeypatch):
     newest = _save(tmp_path, 1, 8)
     sent = []
     monkeypatch.setattr(entry, "broadcast_object", lambda obj: sent.append(obj) or "FROM-RANK-0")
-    assert entry._latest_checkpoint(str(tmp_path), DistInfo(rank=0, world_size=2)) == "FROM-RANK-0"
-    assert sent == [newest]
-    def no_listing(run_dir):
-        raise AssertionError("a rank other than 0 listed the run directory")
-    monkeypatch.setattr(entry, "find_latest", no_listing)
-    assert entry._latest_checkpoint(str(tmp_path), DistInfo(rank=1, world_size=2)) == "FROM-RANK-0"
-    assert sent == [newest, None]
+    path, state = entry._latest_checkpoint(str(tmp_path), DistInfo(rank=0, world_size=2))
+    assert path == "FROM-RANK-0" and state["update"] == 8 and sent == [newest]
 
+    def no_listing(run_dir, set_aside=True):
+        raise AssertionError("a rank other than 0 listed the run directory")
+    monkeypatch.setattr(entry, "load_latest", no_listing)
+    assert entry._latest_checkpoint(str(tmp_path), DistInfo(rank=1, world_size=2)) == ("FROM-RANK-0", None)
+    assert sent == [newest, None]

@@ -99,18 +99,21 @@ def test_num_classes_mismatch(shards):
         build_data(cfg, "train")
 
 
-def test_metadata_file_is_used_when_it_matches(tmp_path):
+def test_shards_are_counted_and_metadata_gives_the_class_count(tmp_path, caplog):
     x, y = digits(20)
     paths = write_shards(str(tmp_path), "val", x, y, 10)
-    meta = {"num_samples": 20, "num_classes": 10, "shards": [os.path.basename(p) for p in paths]}
+    meta = {"num_samples": 20, "num_classes": 12, "shards": [os.path.basename(p) for p in paths]}
     (tmp_path / "val.json").write_text(json.dumps(meta))
-    assert count_samples(resolve_source(str(tmp_path), "data.val"))["num_samples"] == 20
+    counts = count_samples(resolve_source(str(tmp_path), "data.val"))
+    assert counts == {"num_samples": 20, "num_classes": 12, "classes_exact": 1}
     meta["num_samples"] = 999
-    (tmp_path / "val.json").write_text(json.dumps(meta))          # trusted, not re-counted
-    assert count_samples(resolve_source(str(tmp_path), "data.val"))["num_samples"] == 999
-    meta["shards"] = ["other.tar"]
-    (tmp_path / "val.json").write_text(json.dumps(meta))          # describes other shards: count
+    (tmp_path / "val.json").write_text(json.dumps(meta))          # stale metadata: the shards win
     assert count_samples(resolve_source(str(tmp_path), "data.val"))["num_samples"] == 20
+    assert "says num_samples=999 but the shards hold 20" in caplog.text
+    meta["shards"] = ["other.tar"]
+    (tmp_path / "val.json").write_text(json.dumps(meta))          # describes other shards
+    assert count_samples(resolve_source(str(tmp_path), "data.val")) == {
+        "num_samples": 20, "num_classes": int(max(y)) + 1, "classes_exact": 0}
 
 
 def test_corrupt_samples_skipped_and_counted_or_fatal(tmp_path):

@@ -5,13 +5,17 @@
     python -m train_imagenet --config ... --eval-only checkpoint=runs/x/ckpt-e0300-u00375300.pth
 
 The wiring only: config -> model -> data -> engine -> checkpoints/logs. Every check that can
-fail (data paths, sample counts, classes, checkpoint architecture) runs before training starts.
+fail (optimizer/scheduler names, the output directory and its lock, data paths, shards and
+labels of both splits, checkpoint checksum and architecture) runs before training starts,
+and the run's config.yaml is written only once they all passed.
 """
 import argparse
+import difflib
 import importlib.util
 import os
 import sys
-from typing import Any, Dict, List, Optional
+import zipfile
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,16 +23,17 @@ import torch
 from dcvit.io import write_json
 from dcvit.schema import EvalResult
 
-from .checkpoint import (CheckpointError, capture_rng, check_arch, find_latest, load_checkpoint,
+from .checkpoint import (CheckpointError, capture_rng, check_arch, load_checkpoint, load_latest,
                          load_model_weights, save_checkpoint)
 from .config import Config, ConfigError, config_to_dict, load_config, save_config
-from .data import DataError, DataPipe, build_data, count_samples, resolve_source
+from .data import DataError, DataPipe, is_remote, build_data, count_samples, resolve_source
 from .distributed import DistInfo, all_gather_object, broadcast_object, init_distributed, shutdown
 from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
 from .finetune import arch_entry, conversion_to_apply, param_group_fn
 from .logs import RunLog
 from .mixup import RollMixup
 from .model import build_model
+from .run_lock import RunDirError, RunLock, prepare_run_dir
 
 __all__ = ["main", "run"]
 
@@ -55,30 +60,46 @@ def _arch(cfg: Config) -> Dict[str, Any]:
     return arch
 
 
-def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
-    """Sample/class counts, found once on rank 0 and shared with every rank; any error there
-    is sent as a DataError too, so the other ranks raise it instead of waiting forever."""
+def _on_main(info: DistInfo, fn: Callable[[], Any], error: Callable[[Exception], Exception]) -> Any:
+    """`fn()` on rank 0, its result broadcast to every rank; an exception there is broadcast
+    too (a user error as itself, anything else through `error`), so every rank raises it
+    instead of waiting forever in the next collective."""
     result: Any = None
     if info.is_main:
         try:
-            given = getattr(cfg.data, f"{split}_samples")
-            src = resolve_source(getattr(cfg.data, split), f"data.{split}")
-            result = {"num_samples": given, "num_classes": 0} if given else count_samples(src)
-        except DataError as e:
+            result = fn()
+        except (ConfigError, DataError, CheckpointError, RunDirError) as e:
             result = e
         except Exception as e:  # e.g. FileNotFoundError from ImageFolder: every rank must hear
-            result = DataError(f"data.{split}={getattr(cfg.data, split)!r} cannot be read "
-                               f"({type(e).__name__}: {e})")
+            result = error(e)
     result = broadcast_object(result)
     if isinstance(result, Exception):
         raise result
     return result
 
 
-def _latest_checkpoint(run_dir: str, info: DistInfo) -> Optional[str]:
-    """The newest checkpoint in `run_dir`, named on rank 0 from a listing (nothing is loaded)
-    and broadcast, so every rank loads the same file even if their views of the disk differ."""
-    return broadcast_object(find_latest(run_dir) if info.is_main else None)
+def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
+    """Sample/class counts of a split, found (and its shards checked) once on rank 0 and
+    shared with every rank."""
+    def count() -> Dict[str, int]:
+        given = getattr(cfg.data, f"{split}_samples")
+        src = resolve_source(getattr(cfg.data, split), f"data.{split}")
+        if given and src.kind == "wds" and any(is_remote(s) for s in src.shards):
+            return {"num_samples": given, "num_classes": 0}   # remote: nothing to check
+        result = count_samples(src, f"data.{split}", cfg.data.num_classes, cfg.output_dir)
+        if given:
+            result["num_samples"] = given
+        return result
+    return _on_main(info, count, lambda e: DataError(
+        f"data.{split}={getattr(cfg.data, split)!r} cannot be read ({type(e).__name__}: {e})"))
+
+
+def _latest_checkpoint(run_dir: str, info: DistInfo) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    """The newest checkpoint in `run_dir` that verifies, picked on rank 0 (damaged newer ones
+    are set aside with a warning) and broadcast, so every rank loads the same file even if
+    their views of the disk differ; (path, its content) on rank 0, (path, None) elsewhere."""
+    path, state = load_latest(run_dir) if info.is_main else (None, None)
+    return broadcast_object(path), state
 
 
 def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Optional[Dict[str, Any]]:
@@ -91,7 +112,9 @@ def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Option
     """
     import dcvit
     from timm.models.vision_transformer import VisionTransformer
-    if not path.endswith(".safetensors"):
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint={path!r} does not exist")
+    if not path.endswith(".safetensors") and zipfile.is_zipfile(path):  # a torch.save file
         state = load_checkpoint(path)
         if isinstance(state.get("model"), dict) and "arch" in state:
             check_arch(state, _arch(cfg), path)
@@ -119,50 +142,85 @@ def _result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool,
                       val=cfg.data.val, convert=arch_entry(cfg), epoch=epoch).to_dict()
 
 
-def run(cfg: Config) -> int:
+def check_recipe(cfg: Config) -> None:
+    """Fails on what only timm knows: an unknown optimizer or scheduler name (made on a dummy
+    parameter, so before any data is read)."""
+    from timm.optim import create_optimizer_v2, list_optimizers
+    from timm.scheduler import create_scheduler_v2
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("tensorboard=true needs the tensorboard package: "
                           "pip install 'dcvit[tensorboard]' (or set tensorboard=false)")
+    dummy = torch.nn.Linear(1, 1)
+    try:
+        optimizer = create_optimizer_v2(dummy, opt=cfg.optim.opt, lr=cfg.optim.lr)
+    except (ValueError, ImportError) as e:
+        close = difflib.get_close_matches(cfg.optim.opt.lower(), list_optimizers(), n=3)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer ({e}){hint}") from e
+    try:
+        create_scheduler_v2(optimizer, sched=cfg.sched.sched, num_epochs=cfg.epochs,
+                            step_on_epochs=False, updates_per_epoch=1)
+    except (ValueError, ImportError) as e:
+        raise ConfigError(f"sched.sched={cfg.sched.sched!r} is not a timm scheduler ({e}); use "
+                          f"one of cosine, tanh, step, multistep, plateau, poly") from e
+
+
+def run(cfg: Config) -> int:
+    check_recipe(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     info = init_distributed(cfg.device)
     device = info.device
     if cfg.amp == "fp16" and device.type != "cuda":
         raise ConfigError("amp=fp16 needs a CUDA device (it uses a GradScaler); use amp=bf16 on CPU")
-    run_dir = cfg.output_dir
-    os.makedirs(run_dir, exist_ok=True)
+    held: List[RunLock] = []                    # rank 0's lock stays in its process
+    _on_main(info, lambda: held.append(prepare_run_dir(cfg.output_dir)), lambda e: RunDirError(
+        f"output_dir={cfg.output_dir!r} cannot be used ({type(e).__name__}: {e})"))
+    try:
+        # The checkpoint this run loads (picked once; a damaged newest one is set aside) decides
+        # whether it converts (a converted run's checkpoint converts again) and whether the
+        # pretrained file is read (not when resuming/evaluating).
+        if cfg.eval_only:
+            start, state = (cfg.checkpoint, None) if cfg.checkpoint else \
+                _latest_checkpoint(cfg.output_dir, info)
+        elif cfg.resume == "auto":
+            start, state = _latest_checkpoint(cfg.output_dir, info)
+        else:
+            start, state = cfg.resume, None
+        resuming = cfg.eval_only or bool(start)
+        conversion_to_apply(cfg, start or cfg.checkpoint, lambda msg: _log(info, msg))
+        _seed_all(cfg.seed)  # the same initial weights on every rank and world size
+        model = build_model(cfg, pretrained=not resuming)
+        if cfg.data.mean is None or cfg.data.std is None:
+            pcfg = getattr(model, "pretrained_cfg", {}) or {}
+            cfg.data.mean = list(cfg.data.mean or pcfg.get("mean", (0.485, 0.456, 0.406)))
+            cfg.data.std = list(cfg.data.std or pcfg.get("std", (0.229, 0.224, 0.225)))
+        val = build_data(cfg, "val", info.rank, info.world_size, _counts(cfg, "val", info))
+        train = None if cfg.eval_only else build_data(cfg, "train", info.rank, info.world_size,
+                                                      _counts(cfg, "train", info))
+        model.to(device)
+        if cfg.eval_only:
+            return _evaluate_checkpoint(cfg, model, val, info, start)
+        return _train(cfg, model, train, val, info, start, state)
+    finally:
+        for lock in held:
+            lock.release()
 
-    # The checkpoint this run loads decides whether it converts (a converted run's checkpoint
-    # converts again) and whether the pretrained file is read (not when resuming/evaluating).
-    if cfg.eval_only:
-        start = cfg.checkpoint or _latest_checkpoint(run_dir, info)
-    else:
-        start = _latest_checkpoint(run_dir, info) if cfg.resume == "auto" else cfg.resume
-    resuming = cfg.eval_only or bool(start)
-    conversion_to_apply(cfg, start or cfg.checkpoint, lambda msg: _log(info, msg))
-    _seed_all(cfg.seed)  # the same initial weights on every rank and world size
-    model = build_model(cfg, pretrained=not resuming)
-    if cfg.data.mean is None or cfg.data.std is None:
-        pcfg = getattr(model, "pretrained_cfg", {}) or {}
-        cfg.data.mean = list(cfg.data.mean or pcfg.get("mean", (0.485, 0.456, 0.406)))
-        cfg.data.std = list(cfg.data.std or pcfg.get("std", (0.229, 0.224, 0.225)))
+
+def _write_config(cfg: Config, info: DistInfo) -> None:
+    """The resolved config, written once every check has passed (a refused command leaves
+    the run directory's config as it was)."""
     if info.is_main:
-        save_config(cfg, os.path.join(run_dir, "eval_config.yaml" if cfg.eval_only else "config.yaml"))
-
-    val = build_data(cfg, "val", info.rank, info.world_size, _counts(cfg, "val", info))
-    train = None if cfg.eval_only else build_data(cfg, "train", info.rank, info.world_size,
-                                                  _counts(cfg, "train", info))
-    model.to(device)
-    if cfg.eval_only:
-        return _evaluate_checkpoint(cfg, model, val, info)
-    return _train(cfg, model, train, val, info)
+        save_config(cfg, os.path.join(cfg.output_dir, "eval_config.yaml" if cfg.eval_only
+                                      else "config.yaml"))
 
 
-def _evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info: DistInfo) -> int:
-    path = cfg.checkpoint or _latest_checkpoint(cfg.output_dir, info)
+def _evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info: DistInfo,
+                         path: Optional[str]) -> int:
     if not path:
         raise CheckpointError(f"eval_only needs checkpoint=PATH (no checkpoint in {cfg.output_dir!r})")
     state = load_start_weights(model, path, cfg) or {}
+    _write_config(cfg, info)
     metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
     if info.is_main:
         write_json(os.path.join(cfg.output_dir, "eval.json"), _result(cfg, metrics, path, False))
@@ -178,7 +236,9 @@ def _evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, inf
 
 
 def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
-           info: DistInfo) -> int:
+           info: DistInfo, path: str, state: Optional[Dict[str, Any]]) -> int:
+    """Trains from scratch, from `checkpoint=` weights, or on from `path` (`resume`), whose
+    content `state` rank 0 may already have loaded."""
     from timm.data import Mixup
     from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
     from timm.optim import create_optimizer_v2
@@ -230,9 +290,8 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
 
     # resume (or start from weights) before anything trains
     epoch, start_batch, update, rng_state, resumed_from = 0, 0, 0, None, ""
-    path = _latest_checkpoint(run_dir, info) if cfg.resume == "auto" else cfg.resume
     if path:
-        state = load_checkpoint(path)
+        state = state or load_checkpoint(path)
         missing = [k for k in ("model", "optimizer", "scheduler", "epoch", "batch", "update")
                    if k not in state]
         if missing:
@@ -254,6 +313,9 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
                        f"{info.world_size}: continuing with fresh RNG streams")
         resumed_from = path
         _log(info, f"resumed from {path} at epoch {epoch}, batch {start_batch}, update {update}")
+        if cfg.checkpoint and cfg.resume == "auto":
+            _log(info, f"checkpoint={cfg.checkpoint} is not loaded: resume=auto continues this "
+                       f"run from its own checkpoint (checkpoint= only starts a fresh run)")
     elif cfg.checkpoint:  # start from weights: a checkpoint's model, a .safetensors, a ViT .pth
         load_start_weights(model, cfg.checkpoint, cfg)
     ema = None  # made after loading, so it starts from the loaded weights
@@ -296,16 +358,23 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
             _log(info, f"debug.crash_at_step={update_}: exiting hard (simulated failure)")
             os._exit(CRASH_EXIT_CODE)
 
+    _write_config(cfg, info)
     runlog = RunLog(run_dir, info.is_main, cfg.tensorboard)
     opts = StepOptions(accum_steps=cfg.accum_steps, clip_grad=cfg.optim.clip_grad,
                        clip_mode=cfg.optim.clip_mode, amp=cfg.amp, nan_at_update=cfg.debug.nan_at_step,
-                       progress=info.is_main and sys.stderr.isatty(), log_every=cfg.log_every)
+                       progress=info.is_main and sys.stderr.isatty(),
+                       step_lines=info.is_main and not sys.stderr.isatty(), log_every=cfg.log_every,
+                       save_every=cfg.save_every_steps)
     _log(info, f"{cfg.model}: {sum(p.numel() for p in model.parameters()):,} params, "
                f"{train.num_samples} train / {val.num_samples} val samples, "
                f"{train.batches_per_epoch} batches/epoch/rank, global batch {global_batch}, lr {lr:.3g}")
     metrics: Dict[str, float] = {}
     ema_metrics: Optional[Dict[str, float]] = None
     last_path = resumed_from
+    if resumed_from and start_batch == 0 and epoch in cfg.eval_epochs and not os.path.exists(
+            os.path.join(run_dir, f"eval-e{epoch:04d}.json")):  # its evaluation did not finish
+        m, m_ema = _evaluate_both(cfg, model, ema, val, device)
+        _write_epoch_results(cfg, info, epoch, m, m_ema, resumed_from)
     for epoch in range(epoch, cfg.epochs):
         current_epoch[0] = epoch
         try:
@@ -314,31 +383,32 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
                 loss_fn=loss_fn, device=device, opts=opts, update=update, start_batch=start_batch,
                 rng_state=rng_state, mixup=mixup, ema=ema, scaler=scaler, on_update=on_update)
         except NonFiniteLoss as e:
+            if not info.is_main:
+                raise NonFiniteLoss(f"{e}. Rank 0 names the last good checkpoint") from e
+            good = load_latest(run_dir, set_aside=False)[0]
             raise NonFiniteLoss(f"{e}. The last good checkpoint is "
-                                f"{find_latest(run_dir) or 'none (none was saved yet)'}") from e
+                                f"{good or 'none (none was saved yet)'}") from e
         update, start_batch, rng_state = stats.pop("updates"), 0, None
         record: Dict[str, Any] = {"epoch": epoch, **stats}
-        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or epoch + 1 in cfg.eval_epochs:
-            metrics = evaluate(model, val, cfg.data.num_classes, device, cfg.amp)
-            record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
-            if ema is not None:
-                ema_metrics = evaluate(ema.module, val, cfg.data.num_classes, device, cfg.amp)
-                record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
-        record["peak_mem_mb"] = peak_memory_mb(device)
         total_skipped = sum(all_gather_object(record["corrupt_skipped"]))
         record["corrupt_skipped"] = total_skipped
         if total_skipped:
             _log(info, f"epoch {epoch}: skipped {total_skipped} corrupt samples")
-        last_path = save(epoch + 1, 0, update) or last_path
-        if info.is_main and epoch + 1 in cfg.eval_epochs:   # e.g. the paper's epoch-90 numbers
-            write_json(os.path.join(run_dir, f"eval-e{epoch + 1:04d}.json"),
-                       _result(cfg, metrics, last_path, False, epoch + 1))
+        last_path = save(epoch + 1, 0, update) or last_path  # before evaluating: keep the epoch
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or epoch + 1 in cfg.eval_epochs:
+            metrics, ema_metrics = _evaluate_both(cfg, model, ema, val, device)
+            record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
             if ema_metrics is not None:
-                write_json(os.path.join(run_dir, f"eval_ema-e{epoch + 1:04d}.json"),
-                           _result(cfg, ema_metrics, last_path, True, epoch + 1))
+                record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
+            _write_epoch_results(cfg, info, epoch + 1, metrics, ema_metrics, last_path)
+        record["peak_mem_mb"] = peak_memory_mb(device)
         runlog.epoch(record)
         _log(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in record.items()))
+    if not metrics and resumed_from and epoch >= cfg.epochs:
+        # resumed from the final checkpoint (its evaluation did not finish): evaluate it now
+        metrics, ema_metrics = _evaluate_both(cfg, model, ema, val, device)
+        _log(info, f"final evaluation of {resumed_from}: top1 {metrics['top1']:.2f}")
     runlog.close()
     if info.is_main and metrics:
         write_json(os.path.join(run_dir, "eval.json"), _result(cfg, metrics, last_path, False))
@@ -347,28 +417,57 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
     return 0
 
 
+def _write_epoch_results(cfg: Config, info: DistInfo, epochs_done: int, metrics: Dict[str, float],
+                         ema_metrics: Optional[Dict[str, float]], path: str) -> None:
+    """eval-eNNNN.json (and its EMA twin) for an epoch in `eval_epochs` (e.g. the paper's
+    epoch-90 numbers)."""
+    if not info.is_main or epochs_done not in cfg.eval_epochs:
+        return
+    write_json(os.path.join(cfg.output_dir, f"eval-e{epochs_done:04d}.json"),
+               _result(cfg, metrics, path, False, epochs_done))
+    if ema_metrics is not None:
+        write_json(os.path.join(cfg.output_dir, f"eval_ema-e{epochs_done:04d}.json"),
+                   _result(cfg, ema_metrics, path, True, epochs_done))
+
+
+def _evaluate_both(cfg: Config, model: torch.nn.Module, ema: Any, val: DataPipe,
+                   device: torch.device) -> Tuple[Dict[str, float], Optional[Dict[str, float]]]:
+    """Metrics of the model and, when EMA is on, of its EMA weights."""
+    metrics = evaluate(model, val, cfg.data.num_classes, device, cfg.amp)
+    if ema is None:
+        return metrics, None
+    return metrics, evaluate(ema.module, val, cfg.data.num_classes, device, cfg.amp)
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m train_imagenet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML recipe (configs/*.yaml)")
     p.add_argument("--eval-only", action="store_true", help="evaluate checkpoint=PATH and exit")
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of a refused command (exit code 2/3) too")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. optim.lr=1e-3")
     return p.parse_intermixed_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Exit codes: 0 done, 2 bad config/data/checkpoint, 3 non-finite loss. Those errors are
-    raised on every rank alike, so the process group is closed cleanly; any other exception
-    propagates without closing it (closing could wait forever for a peer blocked in a
-    collective), and torchrun then stops the remaining ranks."""
+    """Exit codes: 0 done, 2 bad config/data/checkpoint/output directory, 3 non-finite loss,
+    each with a one-line message (and the traceback with --debug). Those errors are raised on
+    every rank alike, so the process group is closed cleanly; any other exception propagates
+    without closing it (closing could wait forever for a peer blocked in a collective), and
+    torchrun then stops the remaining ranks."""
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides + (["eval_only=true"] if args.eval_only else []))
         code = run(cfg)
     except NonFiniteLoss as e:
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         code = 3
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirError) as e:
+        if args.debug:
+            raise
         print(f"error: {e}", file=sys.stderr)
         code = 2
     shutdown()

@@ -1,4 +1,4 @@
-"""Checkpoints: atomic saves, `resume=auto` discovery, RNG state capture, architecture checks.
+"""Checkpoints: atomic saves, checksums, `resume=auto` discovery, RNG states, architecture checks.
 
 A checkpoint is one ``torch.save`` dict (loadable with ``weights_only=True``):
 ``model``, ``ema``, ``optimizer``, ``scheduler``, ``scaler`` state dicts; ``epoch`` and
@@ -6,22 +6,29 @@ A checkpoint is one ``torch.save`` dict (loadable with ``weights_only=True``):
 so far), ``rng`` (one entry per rank), ``config`` and ``arch`` ({model, model_kwargs,
 num_classes}). Files are ``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a
 temporary name and renamed, so a crash never leaves a half-written checkpoint under a real name.
+
+Every checkpoint carries ``checksum``: the SHA-256 of its content (each tensor's dtype, shape
+and bytes, every other value's type and repr, in order), checked whenever it is loaded, so
+bytes altered on disk are found even where the file still unpickles. `load_latest` walks
+back from the newest checkpoint past damaged ones, renaming each to ``*.pth.corrupt`` (kept
+for inspection, out of the rotation) with a warning that names it.
 """
 import glob
+import hashlib
 import logging
 import os
 import random
 import re
-import zipfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from dcvit.io import atomic_write
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest",
-           "list_checkpoints", "capture_rng", "restore_rng", "check_arch", "load_model_weights"]
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_latest",
+           "list_checkpoints", "capture_rng", "restore_rng", "check_arch", "load_model_weights",
+           "content_digest"]
 
 _NAME = re.compile(r"ckpt-e(\d+)-u(\d+)\.pth$")
 _logger = logging.getLogger(__name__)
@@ -55,10 +62,37 @@ def restore_rng(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _feed(h: "hashlib._Hash", obj: Any) -> None:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif isinstance(obj, dict):
+        h.update(f"D{len(obj)}".encode())
+        for k, v in obj.items():            # insertion order, which torch.save/load keep
+            _feed(h, k)
+            _feed(h, v)
+    elif isinstance(obj, (list, tuple)):
+        h.update(f"L{len(obj)}".encode())
+        for v in obj:
+            _feed(h, v)
+    else:
+        h.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+
+def content_digest(state: Dict[str, Any]) -> str:
+    """SHA-256 of a checkpoint's content, its ``checksum`` entry left out."""
+    h = hashlib.sha256()
+    _feed(h, {k: v for k, v in state.items() if k != "checksum"})
+    return h.hexdigest()
+
+
 def save_checkpoint(state: Dict[str, Any], run_dir: str, keep: int = 2) -> str:
-    """Writes `state` atomically as ckpt-e{epoch}-u{update}.pth; keeps the newest `keep`."""
+    """Writes `state` (with its checksum) atomically as ckpt-e{epoch}-u{update}.pth; keeps
+    the newest `keep`."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, f"ckpt-e{state['epoch']:04d}-u{state['update']:08d}.pth")
+    state = {**state, "checksum": {"sha256": content_digest(state)}}
     atomic_write(path, lambda tmp: torch.save(state, tmp))
     for old in list_checkpoints(run_dir)[:-keep]:
         os.remove(old)
@@ -73,33 +107,41 @@ def list_checkpoints(run_dir: str) -> List[str]:
 
 
 def load_checkpoint(path: str) -> Dict[str, Any]:
+    """The dict in `path` (``weights_only=True``), its checksum verified when it has one."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint {path!r} cannot be read ({type(e).__name__}: {e})") from e
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path!r} holds a {type(state).__name__}, not a dict")
+    saved = state.get("checksum")
+    if isinstance(saved, dict) and "sha256" in saved:
+        if content_digest(state) != saved["sha256"]:
+            raise CheckpointError(f"checkpoint {path!r} is damaged: its content does not match "
+                                  f"the checksum saved with it (bytes changed on disk); use an "
+                                  f"earlier checkpoint (resume=auto falls back to one)")
+    elif "arch" in state:
+        _logger.warning("checkpoint %r has no checksum (saved by an older version): not verified",
+                        path)
     return state
 
 
-def find_latest(run_dir: str) -> Optional[str]:
-    """The newest checkpoint in `run_dir` by name (update count) whose archive opens; None if none.
-
-    Only the zip directory at the end of each file is read, newest first, so this is cheap
-    however large the checkpoints are; one that does not open (truncated, not a torch.save
-    file) is skipped with a warning naming it and the error.
-    """
+def load_latest(run_dir: str, set_aside: bool = True) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
+    """The newest checkpoint of `run_dir` that loads and verifies, and its content; damaged
+    newer ones are skipped with a warning naming them (and, with `set_aside`, renamed
+    ``*.corrupt``). (None, None) if there is none."""
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            with zipfile.ZipFile(path) as archive:
-                if not any(n.endswith("data.pkl") for n in archive.namelist()):
-                    raise ValueError("no data.pkl member: not a torch.save file")
-        except (OSError, ValueError, zipfile.BadZipFile) as e:
-            _logger.warning("skipping checkpoint %r: it cannot be read (%s: %s); delete it or "
-                            "pass resume=PATH", path, type(e).__name__, e)
-            continue
-        return path
-    return None
+            return path, load_checkpoint(path)
+        except CheckpointError as e:
+            bad = path + ".corrupt" if set_aside else path
+            try:
+                os.replace(path, bad)
+            except OSError:
+                bad = path
+            _logger.warning("skipping damaged checkpoint %s (kept as %s): %s; falling back to "
+                            "the checkpoint before it", path, bad, e)
+    return None, None
 
 
 def check_arch(state: Dict[str, Any], arch: Dict[str, Any], path: str) -> None:

@@ -153,7 +153,7 @@ class Config:
                                           # write eval-eNNNN.json (e.g. [90, 300])
     save_every_steps: int = 0             # also checkpoint every N updates inside an epoch
     keep_checkpoints: int = 2
-    log_every: int = 50                   # updates between progress-bar refreshes
+    log_every: int = 50                   # updates between loss checks and progress lines
     tensorboard: bool = False
     debug: DebugConfig = field(default_factory=DebugConfig)
 
@@ -292,12 +292,19 @@ def _apply(obj: Any, key: str, value: Any) -> None:
     setattr(target, name, _coerce(key, value, hints[name]))
 
 
+def _parse_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
+
+
 def _read_file(path: str) -> Dict[str, Any]:
     """The mapping of keys in the YAML file at `path`."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+        raw = _parse_yaml(f.read(), f"config file {path!r}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path!r} must hold a mapping of keys, not {type(raw).__name__}")
     return raw
@@ -346,7 +353,7 @@ def load_config(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Co
         if key.strip() == BASE_KEY:
             raise ConfigError(f"{BASE_KEY} can only be set in a config file (use --config FILE; "
                               f"the file's {BASE_KEY}: names the file it builds on)")
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = _parse_yaml(text, f"override {item!r}") if text.strip() else ""
         _apply(cfg, key.strip(), value)
     return cfg.validate()
 

@@ -2,7 +2,10 @@
 
 Shards are tar files of samples ``<key>.jpg|.png`` (image bytes) + ``<key>.cls`` (ASCII label),
 given as a brace pattern (``DIR/train-{000000..000099}.tar``), a directory of ``.tar`` files
-(only its ``train-*.tar`` / ``val-*.tar`` when present), or a single file. A directory without ``.tar`` files is read as an ImageFolder.
+(only its ``train-*.tar`` / ``val-*.tar`` when present), or a single file. A directory without
+``.tar`` files is read as an ImageFolder. Shards named for another split (``data.val`` given
+``train-*.tar``) are refused. Local shards are checked before training (`shard_check`):
+every tar readable, every label in range.
 
 Training streams are cut to a fixed number of samples per rank per epoch
 (``floor(num_samples / world) // batch_size`` full batches), so every rank runs the same
@@ -23,7 +26,6 @@ import json
 import logging
 import os
 import random
-import tarfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -35,11 +37,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from timm.data import create_transform
 from timm.data.distributed_sampler import RepeatAugSampler
 
-from dcvit.schema import IMAGE_EXTENSIONS, ShardMeta, metadata_path
+from dcvit.schema import IMAGE_EXTENSIONS, ShardMeta, metadata_path, split_of
 
 from .config import Config
+from .shard_check import check_shards
 
-__all__ = ["DataError", "Source", "resolve_source", "count_samples", "build_transform",
+__all__ = ["DataError", "Source", "resolve_source", "is_remote", "count_samples", "build_transform",
            "ShardStream", "DataPipe", "build_data"]
 
 _logger = logging.getLogger(__name__)
@@ -82,6 +85,10 @@ class Source:
     root: str = ""                                    # folder: the ImageFolder root
 
 
+# Shard names say their split ('train-000000.tar'); a split must not read another's files.
+_FOREIGN_SPLITS = {"train": ("val", "validation", "test"), "val": ("train",)}
+
+
 def resolve_source(spec: str, key: str) -> Source:
     """Turns `data.train`/`data.val` into a list of existing shards or an ImageFolder root."""
     if not spec:
@@ -93,31 +100,37 @@ def resolve_source(spec: str, key: str) -> Source:
         if any(os.path.basename(t).startswith(split + "-") for t in tars):
             tars = [t for t in tars if os.path.basename(t).startswith(split + "-")]
         if tars:
-            return Source("wds", shards=tars)
+            return Source("wds", shards=_check_split(tars, key, spec))
         if any(os.path.isdir(os.path.join(spec, n)) for n in os.listdir(spec)):
             return Source("folder", root=spec)
         raise DataError(f"{key}={spec!r} is a directory with neither .tar shards nor class "
                         f"sub-folders; write shards with scripts/make_wds_shards.py")
     shards = list(braceexpand.braceexpand(spec))
-    if any(_is_remote(s) for s in shards):
-        return Source("wds", shards=shards)  # not checked here; set data.*_samples
+    if any(is_remote(s) for s in shards):
+        return Source("wds", shards=_check_split(shards, key, spec))  # counts: data.*_samples
     missing = [s for s in shards if not os.path.isfile(s)]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise DataError(f"{key}={spec!r}: {len(missing)} of {len(shards)} shards are missing "
                         f"({', '.join(missing[:3])}{more}); check the path and the brace range")
-    return Source("wds", shards=shards)
+    return Source("wds", shards=_check_split(shards, key, spec))
 
 
-def _is_remote(url: str) -> bool:
+def _check_split(shards: List[str], key: str, spec: str) -> List[str]:
+    """Refuses shards whose names say they belong to another split (e.g. data.val=DIR where
+    DIR holds only train-*.tar): the result would be reported for the wrong split."""
+    split = key.rsplit(".", 1)[-1]
+    for shard in shards:
+        prefix = split_of(shard)
+        if prefix in _FOREIGN_SPLITS.get(split, ()):
+            raise DataError(f"{key}={spec!r} gives {prefix} shards ({shard!r}), not {split} "
+                            f"shards; point {key} at the {split}-*.tar files (make_wds_shards.py "
+                            f"--split {split})")
+    return shards
+
+
+def is_remote(url: str) -> bool:
     return url.startswith("pipe:") or "://" in url
-
-
-def _split_key(name: str) -> Tuple[str, str]:
-    """WebDataset convention: 'dir/abc.seg.jpg' -> ('dir/abc', 'seg.jpg')."""
-    base = os.path.basename(name)
-    stem, _, ext = base.partition(".")
-    return os.path.join(os.path.dirname(name), stem), ext.lower()
 
 
 def _metadata(shards: List[str]) -> Optional[ShardMeta]:
@@ -136,43 +149,36 @@ def _metadata(shards: List[str]) -> Optional[ShardMeta]:
     return meta
 
 
-def count_samples(source: Source) -> Dict[str, int]:
-    """{'num_samples', 'num_classes'} of a source: from shard metadata when present, else by
-    listing tar members (headers and the small .cls members only) or the ImageFolder."""
+def count_samples(source: Source, key: str = "data", num_classes: Optional[int] = None,
+                  cache_dir: Optional[str] = None) -> Dict[str, int]:
+    """{'num_samples', 'num_classes', 'classes_exact'} of a source, after checking it.
+
+    Local shards are always checked (`shard_check.check_shards`: every tar readable, every
+    label an integer in [0, num_classes); headers and labels only, cached by size and mtime);
+    the count is the checked one, and the class count comes from the shards' metadata
+    (`DIR/<split>.json`) when present. An ImageFolder is listed.
+    """
     if source.kind == "folder":
         from torchvision.datasets import ImageFolder
         ds = ImageFolder(source.root)
         return {"num_samples": len(ds), "num_classes": len(ds.classes), "classes_exact": 1}
-    if any(_is_remote(s) for s in source.shards):
+    if any(is_remote(s) for s in source.shards):
         raise DataError(f"cannot count the samples of remote shards ({source.shards[0]!r}, ...); "
                         f"set data.train_samples / data.val_samples")
+    check = check_shards(source.shards, key, num_classes if num_classes else 2**62, cache_dir)
+    if check.problem:
+        raise DataError(check.problem)
     meta = _metadata(source.shards)
-    if meta is not None:
-        return {"num_samples": meta.num_samples, "num_classes": meta.num_classes or 0,
-                "classes_exact": int(meta.num_classes is not None)}
-    total, max_label = 0, -1
-    for shard in source.shards:
-        try:
-            with tarfile.open(shard) as tar:
-                keys_with_image, labels = set(), {}
-                for m in tar:
-                    if not m.isfile():
-                        continue
-                    key, ext = _split_key(m.name)
-                    if ext == "cls":
-                        labels[key] = tar.extractfile(m).read()
-                    elif ext in IMAGE_EXTENSIONS:
-                        keys_with_image.add(key)
-        except (tarfile.TarError, OSError) as e:
-            raise DataError(f"shard {shard!r} is not a readable tar file ({e}); "
-                            f"re-write it with scripts/make_wds_shards.py") from e
-        for key in keys_with_image & set(labels):
-            total += 1
-            try:
-                max_label = max(max_label, int(labels[key]))
-            except ValueError:
-                pass
-    return {"num_samples": total, "num_classes": max_label + 1, "classes_exact": 0}
+    if meta is not None and meta.num_samples != check.num_samples:
+        _logger.warning("%s says num_samples=%d but the shards hold %d samples: using %d "
+                        "(make_wds_shards.py --verify checks the metadata)",
+                        metadata_path(source.shards[0]), meta.num_samples, check.num_samples,
+                        check.num_samples)
+    if meta is not None and meta.num_classes is not None:
+        return {"num_samples": check.num_samples, "num_classes": meta.num_classes,
+                "classes_exact": 1}
+    return {"num_samples": check.num_samples, "num_classes": check.max_label + 1,
+            "classes_exact": 0}
 
 
 def build_transform(cfg: Config, training: bool) -> Callable:
@@ -205,7 +211,14 @@ def _decode(sample: Dict[str, Any]) -> Tuple[Image.Image, int]:
 def _read_tar(shard: str) -> Iterator[Dict[str, Any]]:
     """Samples of one shard as {'__key__', ext: bytes} (WebDataset's tar reader; any URL
     webdataset.gopen opens works, e.g. 'pipe:curl -s URL')."""
-    yield from tarfile_samples([{"url": shard}])
+    try:
+        yield from tarfile_samples([{"url": shard}])
+    except DataError:
+        raise
+    except Exception as e:  # tarfile.ReadError, OSError, a failing 'pipe:' command
+        raise DataError(f"shard {shard!r} cannot be read ({type(e).__name__}: {e}); it passed the "
+                        f"start-up check, so it changed or its storage failed since: re-write "
+                        f"it with scripts/make_wds_shards.py") from e
 
 
 class ShardStream(IterableDataset):
@@ -253,21 +266,25 @@ class ShardStream(IterableDataset):
 
     def _decoded(self, raw: Iterator[Optional[Dict[str, Any]]]) -> Iterator[Tuple[Any, int, int]]:
         """(image, label, skipped) from raw samples; None in `raw` marks the end of a pass."""
-        skipped, good_in_pass = 0, 0
+        skipped, good_in_pass, bad_shards = 0, 0, []
         for sample in raw:
             if sample is None:
                 if good_in_pass == 0:
                     raise DataError(f"no readable sample in a whole pass over this worker's shards "
-                                    f"({skipped} corrupt, e.g. {self.shards[0]!r}); re-write them "
+                                    f"({skipped} corrupt, in {', '.join(map(repr, bad_shards[:3]))}"
+                                    f"{' and more' if len(bad_shards) > 3 else ''}); re-write them "
                                     f"with scripts/make_wds_shards.py")
-                good_in_pass = 0
+                good_in_pass, bad_shards = 0, []
                 continue
             try:
                 img, label = _decode(sample)
             except Exception as e:  # PIL raises many types for broken files
+                where = sample.get("__url__", "?")
                 if self.on_corrupt == "fail":
-                    raise DataError(f"corrupt sample {sample.get('__key__')!r}: {e} "
+                    raise DataError(f"corrupt sample {sample.get('__key__')!r} in {where!r}: {e} "
                                     f"(set data.on_corrupt=skip to skip and count such samples)") from e
+                if where not in bad_shards:
+                    bad_shards.append(where)
                 skipped += 1
                 continue
             good_in_pass += 1
@@ -391,7 +408,8 @@ def build_data(cfg: Config, split: str, rank: int = 0, world_size: int = 1,
     source = resolve_source(getattr(cfg.data, split), key)
     given = cfg.data.train_samples if training else cfg.data.val_samples
     if counts is None:
-        counts = {"num_samples": given, "num_classes": 0} if given else count_samples(source)
+        counts = {"num_samples": given, "num_classes": 0} if given else count_samples(
+            source, key, cfg.data.num_classes)
     num_samples = given or counts["num_samples"]
     if num_samples <= 0:
         raise DataError(f"{key}={getattr(cfg.data, split)!r} holds no samples "

@@ -1,6 +1,7 @@
 """The epoch loop: `train_one_epoch` and `evaluate` (DeiT's engine.py, on timm's parts)."""
 import math
 import resource
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ class StepOptions:
     clip_mode: str = "norm"
     amp: str = "none"
     nan_at_update: int = 0          # fault injection: the loss of this update becomes NaN
-    progress: bool = False          # tqdm bar (rank 0)
-    log_every: int = 50
+    progress: bool = False          # tqdm bar (rank 0, in a terminal)
+    step_lines: bool = False        # a printed line every `log_every` updates (rank 0, no terminal)
+    log_every: int = 50             # updates between loss checks (one sync, one all-reduce)
+    save_every: int = 0             # updates between mid-epoch saves: the losses are checked first
 
 
 def autocast(device: torch.device, amp: str):
@@ -60,6 +63,12 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
     `on_update(batch_done, update)` runs (checkpointing). A resumed epoch skips its first
     `start_batch` batches (the data order is a function of the seed and epoch) and then
     restores `rng_state`, so it continues exactly where the interrupted run stopped.
+
+    The losses stay on the device: every `opts.log_every` updates (and before a mid-epoch
+    save, and at the epoch's end) the window's per-update losses are all-reduced in one call
+    and copied to the host in one sync, then checked. A non-finite one raises NonFiniteLoss
+    naming its update, before anything is saved; so the host can queue the next steps while
+    the device works.
     """
     model.train()
     accum = opts.accum_steps
@@ -74,7 +83,44 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
         restore_rng(rng_state)
     loss_sum, loss_n, samples, skipped = 0.0, 0, 0, 0
     pending = torch.zeros((), device=device)   # the loss of the update being accumulated
-    t0 = time.perf_counter()
+    window = torch.zeros(opts.log_every, device=device)   # losses of the unchecked updates
+    in_window = 0
+    t0 = last_t = time.perf_counter()
+    last_i, last_samples = start_batch, 0
+
+    def check_window(i: int) -> None:
+        """One all-reduce and one host sync for the window's losses; NaN/inf raises."""
+        nonlocal in_window, loss_sum, loss_n, last_t, last_i, last_samples
+        losses = window[:in_window]
+        if dist.is_initialized():  # every rank sees the same values, so all stop together
+            dist.all_reduce(losses)
+            losses /= world
+        values = losses.tolist()
+        first = update - in_window + 1
+        for j, value in enumerate(values):
+            if not math.isfinite(value):
+                raise NonFiniteLoss(
+                    f"loss is {value} at epoch {epoch}, update {first + j} (found at batch {i} "
+                    f"after {in_window - j - 1} more updates, checked every log_every="
+                    f"{opts.log_every}); stopping without saving. Lower optim.lr, enable "
+                    f"optim.clip_grad, or use amp=bf16 instead of fp16")
+        loss_sum += sum(values)
+        loss_n += len(values)
+        in_window = 0
+        mean = sum(values) / len(values)
+        lr = optimizer.param_groups[0]["lr"]
+        if bar is not None:
+            bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
+        if opts.step_lines:
+            now = time.perf_counter()
+            dt, steps = now - last_t, i + 1 - last_i
+            rate = (samples - last_samples) / dt if dt > 0 else 0.0
+            eta = int((total - i - 1) * dt / steps) if steps else 0
+            print(f"[train_imagenet] epoch {epoch} step {i + 1}/{total} loss {mean:.4f} "
+                  f"lr {lr:.2e} img/s {rate:.0f} ETA {eta // 3600}:{eta // 60 % 60:02d}:"
+                  f"{eta % 60:02d}", file=sys.stderr, flush=True)
+            last_t, last_i, last_samples = now, i + 1, samples
+
     optimizer.zero_grad(set_to_none=True)
     for i, (x, y, n_skipped) in enumerate(pipe.loader(epoch)):
         if i >= total:
@@ -104,15 +150,6 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
         samples += x.shape[0] * world
         if not last_micro:
             continue
-        if dist.is_initialized():  # every rank sees the same value, so all stop together
-            dist.all_reduce(pending)
-            pending /= world
-        value = float(pending)
-        pending.zero_()
-        if not math.isfinite(value):
-            raise NonFiniteLoss(f"loss is {value} at epoch {epoch}, batch {i}, update {update + 1}; "
-                                f"stopping without saving. Lower optim.lr, enable optim.clip_grad, "
-                                f"or use amp=bf16 instead of fp16")
         if scaler is not None:
             if opts.clip_grad:
                 scaler.unscale_(optimizer)
@@ -128,14 +165,18 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
         scheduler.step_update(update)
         if ema is not None:
             ema.update(getattr(model, "module", model), step=update)
-        loss_sum += value
-        loss_n += 1
+        window[in_window] = pending
+        pending.zero_()
+        in_window += 1
         if bar is not None:
             bar.update(accum)
-            if update % opts.log_every == 0 or i + 1 == total:
-                bar.set_postfix(loss=f"{value:.4f}", lr=f"{optimizer.param_groups[0]['lr']:.2e}")
+        if in_window == opts.log_every or i + 1 == total or \
+                (opts.save_every and update % opts.save_every == 0):
+            check_window(i)
         if on_update is not None:
             on_update(i + 1, update)
+    if in_window:  # the loader ended early: check what is left
+        check_window(total - 1)
     if bar is not None:
         bar.close()
     elapsed = time.perf_counter() - t0

@@ -32,18 +32,30 @@ def build_model(cfg: Config, pretrained: bool = True) -> torch.nn.Module:
     except TypeError as e:
         raise ConfigError(f"model={cfg.model!r} rejects model_kwargs={cfg.model_kwargs}: {e}") from e
     except (RuntimeError, NotImplementedError, ValueError) as e:
+        if not load and isinstance(e, ValueError):  # e.g. a DCMHA option out of range
+            raise ConfigError(f"model={cfg.model!r} rejects model_kwargs={cfg.model_kwargs}: {e}") from e
         if not load:
             raise
         raise ConfigError(f"pretrained={cfg.pretrained!r} does not load into model={cfg.model!r} with "
                           f"model_kwargs={cfg.model_kwargs}: {e}") from e
     if load:
         getattr(model, "pretrained_cfg", {}).pop("state_dict", None)   # hold no second copy
-    size = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    embed = getattr(model, "patch_embed", None)
+    size = getattr(embed, "img_size", None)
     if size is not None and tuple(size) != (cfg.data.img_size, cfg.data.img_size) \
-            and not getattr(model.patch_embed, "dynamic_img_size", False):
+            and not getattr(embed, "dynamic_img_size", False):
         raise ConfigError(f"model {cfg.model!r} is built for {tuple(size)} images but "
                           f"data.img_size={cfg.data.img_size}; set model_kwargs.img_size="
                           f"{cfg.data.img_size} (or data.img_size={size[0]})")
+    patch = getattr(embed, "patch_size", None)
+    if patch is not None and any(cfg.data.img_size % p for p in patch) \
+            and not getattr(embed, "dynamic_img_pad", False):
+        p = patch[0]
+        lower, upper = cfg.data.img_size // p * p, -(-cfg.data.img_size // p) * p
+        raise ConfigError(f"data.img_size={cfg.data.img_size} is not a multiple of the patch size "
+                          f"{p}: the patch embedding would drop the image's last "
+                          f"{cfg.data.img_size % p} rows and columns; set data.img_size and "
+                          f"model_kwargs.img_size to {lower or upper} or {upper}")
     if cfg.convert.enabled:
         apply_conversion(model, cfg)
     return model

@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
+from ..io import unwritable_dir
 from .measure import param_efficiency_report
 from .model_spec import DEFAULT_MODELS, ModelSpec, ReportError, parse_model_kwargs
 from .render import write_report
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if (problem := unwritable_dir(args.out)) is not None:  # before any counting
+        parser.exit(2, f"dcvit-report: error: {problem}\n")
     try:
         base_kwargs = parse_model_kwargs(args.model_kwargs)
         if args.img_size is not None:

@@ -1,0 +1,112 @@
+"""The training loop as a cluster sees it: one host sync and one all-reduce per `log_every`
+updates (not per update), a NaN still caught inside that window and before any save, and
+a progress line every `log_every` updates when stderr is not a terminal."""
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train_imagenet.engine as engine
+from train_imagenet.config import load_config
+from train_imagenet.data import build_data
+from train_imagenet.engine import NonFiniteLoss, StepOptions, train_one_epoch
+
+from train_helpers import digits, write_shards
+
+
+@pytest.fixture
+def pipe(tmp_path):
+    x, y = digits(96)
+    write_shards(str(tmp_path), "train", x, y, 24)
+    cfg = load_config(None, [f"data.train={tmp_path}", f"data.val={tmp_path}", "data.num_classes=10",
+                             "data.img_size=32", "data.mean=[0.5,0.5,0.5]", "data.std=[0.5,0.5,0.5]",
+                             "batch_size=8", "data.num_workers=0", "aug.no_aug=true",
+                             "aug.mixup=0", "aug.cutmix=0"])
+    return build_data(cfg, "train")                       # 12 batches
+
+
+@pytest.fixture
+def group():
+    """A one-process gloo group, so the loop takes its distributed path."""
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _epoch(pipe, opts, on_update=None):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    class Sched:
+        def step_update(self, n):
+            pass
+    return train_one_epoch(model, pipe, 0, optimizer=optimizer, scheduler=Sched(),
+                           loss_fn=torch.nn.CrossEntropyLoss(), device=torch.device("cpu"),
+                           opts=opts, update=0, on_update=on_update)
+
+
+def _count_syncs(monkeypatch):
+    calls = {"all_reduce": 0, "host": 0}
+    real_reduce, real_tolist, real_float = dist.all_reduce, torch.Tensor.tolist, torch.Tensor.__float__
+
+    def all_reduce(t, *a, **k):
+        calls["all_reduce"] += 1
+        return real_reduce(t, *a, **k)
+
+    def tolist(self):
+        calls["host"] += 1
+        return real_tolist(self)
+
+    def to_float(self):
+        calls["host"] += 1
+        return real_float(self)
+    monkeypatch.setattr(engine.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    monkeypatch.setattr(torch.Tensor, "__float__", to_float)
+    return calls
+
+
+@pytest.mark.parametrize("log_every, save_every, checks", [
+    (5, 0, 3),      # updates 5, 10, 12 (the epoch's end)
+    (50, 0, 1),     # 12
+    (1, 0, 12),     # every update
+    (5, 4, 3),      # saves at 4, 8, 12 end each window first
+])
+def test_one_sync_and_one_reduce_per_window(pipe, group, monkeypatch, log_every, save_every, checks):
+    """12 updates: a window ends after log_every updates, at a save, and at the epoch's end."""
+    calls = _count_syncs(monkeypatch)
+    stats = _epoch(pipe, StepOptions(log_every=log_every, save_every=save_every))
+    assert stats["updates"] == 12
+    assert calls == {"all_reduce": checks, "host": checks}
+
+
+def test_mean_loss_is_independent_of_the_window(pipe):
+    a = _epoch(pipe, StepOptions(log_every=1))["train_loss"]
+    b = _epoch(pipe, StepOptions(log_every=7))["train_loss"]
+    assert a == pytest.approx(b, rel=1e-6)
+
+
+@pytest.mark.parametrize("save_every", [0, 4])
+def test_nan_caught_in_its_window_before_any_save(pipe, group, save_every):
+    saved = []
+
+    def on_update(batch_done, update):
+        if save_every and update % save_every == 0:
+            saved.append(update)
+    with pytest.raises(NonFiniteLoss, match=r"loss is nan at epoch 0, update 7 \(found at batch"):
+        _epoch(pipe, StepOptions(log_every=5, save_every=save_every, nan_at_update=7), on_update)
+    assert saved == ([4] if save_every else [])          # update 8's save never ran
+
+
+def test_step_lines_without_a_terminal(pipe, capsys):
+    _epoch(pipe, StepOptions(log_every=5, step_lines=True))
+    lines = [line for line in capsys.readouterr().err.splitlines() if "step" in line]
+    assert [re.search(r"step (\d+/\d+)", line).group(1) for line in lines] == ["5/12", "10/12", "12/12"]
+    pattern = (r"^\[train_imagenet\] epoch 0 step \d+/12 loss \d+\.\d{4} lr \d\.\d{2}e-\d\d "
+               r"img/s \d+ ETA \d+:\d\d:\d\d$")
+    assert all(re.match(pattern, line) for line in lines), lines
+    _epoch(pipe, StepOptions(log_every=5))                  # off: nothing printed
+    assert "step" not in capsys.readouterr().err
