@@ -341,3 +341,23 @@ def test_damaged_checkpoint_named_explicitly_is_refused(tmp_path, capsys):
     assert "is damaged" in capsys.readouterr().err
     assert _run(root, tmp_path / "c", "--eval-only", f"checkpoint={path}") == 2
     assert "is damaged" in capsys.readouterr().err
+
+
+def test_nan_stop_names_the_last_checkpoint_that_verifies(tmp_path, capsys, monkeypatch):
+    """The checkpoint of update 6 is damaged on disk right after it was written; the NaN at
+    update 7 then names update 4's checkpoint as the last good one, not the damaged file."""
+    root = _shards(tmp_path / "d")
+    real_save = entry_mod.save_checkpoint
+
+    def save_then_damage(state, run_dir, keep):
+        path = real_save(state, run_dir, keep)
+        if state["update"] == 6:
+            _alter_a_tensor(path)
+        return path
+    monkeypatch.setattr(entry_mod, "save_checkpoint", save_then_damage)
+    out = tmp_path / "out"
+    assert _run(root, out, "epochs=2", "save_every_steps=2", "keep_checkpoints=5",
+                "debug.nan_at_step=7", "log_every=2") == 3
+    err = capsys.readouterr().err
+    assert "loss is nan at epoch 1, update 7" in err
+    assert "The last good checkpoint is " + str(out / "ckpt-e0000-u00000004.pth") in err
