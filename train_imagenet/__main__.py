@@ -169,6 +169,9 @@ def run(cfg: Config) -> int:
     check_recipe(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but no CUDA device is visible to this process "
+                          "(torch.cuda.is_available() is False); use device=cpu or device=auto")
     info = init_distributed(cfg.device)
     device = info.device
     if cfg.amp == "fp16" and device.type != "cuda":

@@ -6,8 +6,6 @@ from typing import Any, List
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
-
 __all__ = ["DistInfo", "init_distributed", "barrier", "broadcast_object", "all_gather_object",
            "all_reduce_mean", "shutdown"]
 
@@ -32,8 +30,7 @@ def init_distributed(device: str = "auto") -> DistInfo:
     """Reads RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun); initialises the process group."""
     want_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is visible to this process "
-                          "(torch.cuda.is_available() is False); use device=cpu or device=auto")
+        raise RuntimeError("device='cuda' but no CUDA device is visible; use device=cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from webdataset.tariterators import base_plus_ext
 
+from dcvit.io import write_json
 from dcvit.schema import IMAGE_EXTENSIONS, LABEL_EXTENSION
 
 __all__ = ["ShardCheck", "check_shards", "scan_shard", "CACHE_NAME"]
@@ -104,7 +105,6 @@ def _read_cache(path: str) -> Dict[str, Any]:
 
 
 def _write_cache(path: str, entries: Dict[str, Any]) -> bool:
-    from dcvit.io import write_json
     try:
         write_json(path, {"version": _VERSION, "shards": entries})
     except OSError:
