@@ -122,11 +122,39 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def block_sizes(H: int, D: int) -> Dict[str, int]:
-    """Tile sizes: heads and head dim padded to powers of two; 16 queries per block; keys per
-    block such that a (heads, queries, keys) fp32 tile holds about 4096 elements."""
-    HP, DP = _next_pow2(H), max(16, _next_pow2(D))
-    return dict(HP=HP, DP=DP, BT=16, BS=max(16, min(128, 4096 // (HP * 16))))
+def block_sizes(H: int) -> List[Dict[str, int]]:
+    """Candidate blocks (BT queries, BS keys) and warps per program; the first, 16 queries and
+    keys such that a (heads, queries, keys) float32 tile holds about 4096 values, is the one
+    the interpreter runs; on a GPU Triton's autotuner times them all once per (heads, head
+    dim, sequence lengths) and keeps the fastest."""
+    HP = _next_pow2(H)
+    bs = max(16, min(128, 4096 // (HP * 16)))
+    found = []
+    for c in (dict(BT=16, BS=bs, num_warps=4), dict(BT=16, BS=bs, num_warps=8),
+              dict(BT=16, BS=min(128, 2 * bs), num_warps=8), dict(BT=32, BS=max(16, bs // 2), num_warps=4)):
+        if c not in found:
+            found.append(c)
+    return found
+
+
+_tuned: Dict[Tuple[str, int], object] = {}
+
+
+def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: int,
+            args: Sequence, kwargs: Dict) -> None:
+    """Launch kernel ``name`` over (blocks of ``rows`` of size ``block``, B): with the first
+    `block_sizes` candidate in the interpreter, autotuned on a GPU."""
+    kernel = getattr(_kernels(device), name)
+    if interpreted():
+        c = block_sizes(H)[0]
+        kernel[(triton.cdiv(rows, c[block]), B)](*args, BT=c["BT"], BS=c["BS"], **kwargs)
+        return
+    key = (name, H)
+    if key not in _tuned:
+        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"]}, num_warps=c["num_warps"])
+                   for c in block_sizes(H)]
+        _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
+    _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B)](*args, **kwargs)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -159,11 +187,12 @@ def _mask_args(mask: Optional[Tensor], dummy: Tensor) -> List:
     return [dummy, 0, 0, 0, 0] if mask is None else [mask, *mask.stride()]
 
 
-def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]],
-           cfg: Dict[str, int]) -> Dict:
-    """The kernels' compile-time arguments."""
+def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) -> Dict:
+    """The kernels' compile-time arguments but the blocks: heads and head dim, padded to
+    powers of two, and which operands are present."""
     mq1, mk1, mq2, mk2 = mats
-    return dict(H=q.shape[1], D=q.shape[3], **cfg, HAS_MASK=mask is not None,
+    H, D = q.shape[1], q.shape[3]
+    return dict(H=H, D=D, HP=_next_pow2(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
                 HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype))
 
@@ -200,14 +229,13 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
         mask = mask.expand(B, H, T, S)
     out = v.new_empty(B, T, H, D)
     lse = q.new_empty(B, H, T, dtype=torch.float32)
-    cfg = block_sizes(H, D)
     o = out.transpose(1, 2)                                                  # (B, H, T, D) view
     mask_args = _mask_args(mask, lse)
     mats = (mq1, mk1, mq2, mk2)
-    _kernels(q.device).forward_kernel[(triton.cdiv(T, cfg["BT"]), B)](
+    _launch("forward_kernel", q.device, H, T, "BT", B, (
         q, k, v, o, lse, mask_args[0], *(lse if m is None else m for m in mats),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *mask_args[1:],
-        *_matrix_strides(mats), T, S, float(scale), **_flags(q, mask, mats, cfg))
+        *_matrix_strides(mats), T, S, float(scale)), _flags(q, mask, mats))
     return out, lse
 
 
@@ -231,22 +259,20 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     dmq1, dmk1, dmq2, dmk2 = (q.new_empty(B, n, H, H, dtype=torch.float32) if w else None
                               for w, n in ((wq1, T), (wk1, S), (wq2, T), (wk2, S)))
     delta = torch.empty_like(lse)
-    cfg = block_sizes(H, D)
-    kern = _kernels(q.device)
     mask_args = _mask_args(mask, lse)
     mat_ptrs = [lse if m is None else m for m in mats]
     strides = _matrix_strides(mats)
-    flags = _flags(q, mask, mats, cfg)
-    kern.backward_query_kernel[(triton.cdiv(T, cfg["BT"]), B)](
+    flags = _flags(q, mask, mats)
+    _launch("backward_query_kernel", q.device, H, T, "BT", B, (
         q, k, v, g, lse, delta, dq, lse if dmq1 is None else dmq1, lse if dmq2 is None else dmq2,
         mask_args[0], *mat_ptrs,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dq.stride(), *mask_args[1:],
-        *strides, T, S, float(scale), **flags, WANT_DMQ1=wq1, WANT_DMQ2=wq2)
-    kern.backward_key_kernel[(triton.cdiv(S, cfg["BS"]), B)](
+        *strides, T, S, float(scale)), dict(flags, WANT_DMQ1=wq1, WANT_DMQ2=wq2))
+    _launch("backward_key_kernel", q.device, H, S, "BS", B, (
         q, k, v, g, lse, delta, dk, dv, lse if dmk1 is None else dmk1, lse if dmk2 is None else dmk2,
         mask_args[0], *mat_ptrs,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dk.stride(), *mask_args[1:],
-        *strides, T, S, float(scale), **flags, WANT_DMK1=wk1, WANT_DMK2=wk2)
+        *strides, T, S, float(scale)), dict(flags, WANT_DMK1=wk1, WANT_DMK2=wk2))
     return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip((dmq1, dmk1, dmq2, dmk2), mats_in))]
 
 
