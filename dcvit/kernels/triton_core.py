@@ -18,6 +18,7 @@ With ``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run 
 tensors in Triton's interpreter: slow, and meant for tests on machines without a GPU.
 This module never imports the dispatcher (`dcvit.fused`).
 """
+import os
 import warnings
 from types import ModuleType
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -142,10 +143,11 @@ _tuned: Dict[Tuple[str, int], object] = {}
 
 def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: int,
             args: Sequence, kwargs: Dict) -> None:
-    """Launch kernel ``name`` over (blocks of ``rows`` of size ``block``, B): with the first
-    `block_sizes` candidate in the interpreter, autotuned on a GPU."""
+    """Launch kernel ``name`` over (blocks of ``rows`` of size ``block``, B): autotuned on a
+    GPU; with the first `block_sizes` candidate in the interpreter or when the environment
+    sets ``DCVIT_TRITON_AUTOTUNE=0`` (tests: one compilation per kernel variant)."""
     kernel = getattr(_kernels(device), name)
-    if interpreted():
+    if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
         c = block_sizes(H)[0]
         kernel[(triton.cdiv(rows, c[block]), B)](*args, BT=c["BT"], BS=c["BS"], **kwargs)
         return
