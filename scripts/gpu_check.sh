@@ -53,7 +53,7 @@ else
            --steps 7 --warmup 2 --dtypes bf16)
     BENCH_B=(--device cuda --model dcvit_base_patch16_224 --batch-size 256 --mem-batch-size 256
              --steps 5 --warmup 2 --dtypes bf16)
-    TESTS=(-m "" -k "any_head_count or half_precision or dcmha_layer or launch_count or self_check or vit_small or long_sequence")
+    TESTS=(-m "" -k "any_head_count or half_precision or dcmha_layer or launch_count or self_check or vit_small or long_sequences")
     [ "$FULL" = 1 ] && TESTS=(-m "")
     TRAIN_SET=(batch_size=64 data.num_workers=8)
     IMAGES=(320 10)        # 3,200 images: 50 updates of 64 per epoch, 4 epochs = 200 updates
@@ -91,7 +91,7 @@ json.dump(info, open('$OUT/environment.json', 'w'))
 
 # 1. The kernels compiled for this GPU, against the formula (the same file runs in the
 #    interpreter on CPU machines): every head count, bf16/fp16, a whole layer, the launch
-#    counts, ViT-S's real shape and N=1030 (--full: the whole file, every option). One
+#    counts, ViT-S's real shape and 1030 queries or keys (--full: the whole file, every option). One
 #    block size (no autotuning): each variant compiles once.
 step tests 360 env DCVIT_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_core.py "${TESTS[@]}"
 

@@ -361,7 +361,8 @@ def test_vit_small_shape():
 
 
 @pytest.mark.slow
-def test_long_sequence():
-    """1030 queries and keys (65 query blocks, 9 key blocks of 128): the key range is never
-    held at once, and nothing depends on N fitting a block."""
-    _assert_matches(*_case(1, 2, 1030, 1030, 16, seed=14), scale=0.25, atol=2e-5, rtol=2e-5)
+@pytest.mark.parametrize("T,S", [(20, 1030), (1030, 20)])
+def test_long_sequences(T, S):
+    """1030 keys (9 blocks of 128, looped over by each query block) and 1030 queries (65
+    blocks, looped over by each key block in backward): no length needs to fit a block."""
+    _assert_matches(*_case(1, 2, T, S, 16, seed=14), scale=0.25, atol=2e-5, rtol=2e-5)

@@ -124,18 +124,14 @@ def _next_pow2(n: int) -> int:
 
 
 def block_sizes(H: int) -> List[Dict[str, int]]:
-    """Candidate blocks (BT queries, BS keys) and warps per program; the first, 16 queries and
+    """Candidate blocks (BT queries, BS keys) and warps per program. The first, 16 queries and
     keys such that a (heads, queries, keys) float32 tile holds about 4096 values, is the one
-    the interpreter runs; on a GPU Triton's autotuner times them all once per (heads, head
-    dim, sequence lengths) and keeps the fastest."""
-    HP = _next_pow2(H)
-    bs = max(16, min(128, 4096 // (HP * 16)))
-    found = []
-    for c in (dict(BT=16, BS=bs, num_warps=4), dict(BT=16, BS=bs, num_warps=8),
-              dict(BT=16, BS=min(128, 2 * bs), num_warps=8), dict(BT=32, BS=max(16, bs // 2), num_warps=4)):
-        if c not in found:
-            found.append(c)
-    return found
+    the interpreter runs; on a GPU Triton's autotuner times both once per (heads, head dim,
+    sequence lengths) and keeps the faster (each candidate is one more compilation)."""
+    bs = max(16, min(128, 4096 // (_next_pow2(H) * 16)))
+    first = dict(BT=16, BS=bs, num_warps=4)
+    second = dict(BT=16, BS=min(128, 2 * bs), num_warps=8)
+    return [first] if second == first else [first, second]
 
 
 _tuned: Dict[Tuple[str, int], object] = {}

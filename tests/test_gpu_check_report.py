@@ -1,0 +1,46 @@
+"""scripts/gpu_check_report.py turns what gpu_check.sh leaves in its folder into
+gpu_check.json and a table (the GPU-side steps themselves run only on a GPU)."""
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _report_module():
+    spec = importlib.util.spec_from_file_location("gpu_check_report", ROOT / "scripts" / "gpu_check_report.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(path: Path, core: str, train_ratio: float, memory_ratio: float) -> None:
+    figures = {
+        "train/bf16/eager/b256": {"dcvit_ms": 100.0, "vit_ms": 100.0 * train_ratio, "ratio": train_ratio},
+        "memory/bf16/eager/b256": {"dcvit_bytes": memory_ratio * 2**30, "vit_bytes": 2**30, "ratio": memory_ratio},
+    }
+    path.write_text(json.dumps({"model": "dcvit_small_patch16_224", "baseline": "vit_small_patch16_224",
+                                "impl": core, "figures": figures}))
+
+
+def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
+    (tmp_path / "steps.tsv").write_text("tests\tpass\t30\t360\ttests.log\n"
+                                        "bench_S_eager_torch\ttimeout\t240\t240\tx.log\n")
+    _bench(tmp_path / "bench_S_eager_triton.json", "triton", 0.95, 1.05)
+    _bench(tmp_path / "bench_S_eager_torch.json", "torch", 0.40, 1.30)
+    (tmp_path / "loop_overhead.json").write_text(json.dumps(
+        {"loop_ms_per_step": 110.0, "bare_ms_per_step": 100.0, "overhead": 0.1}))
+    run = tmp_path / "run_eager"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"epoch": 0, "train_loss": 2.3, "img_per_s": 900.0}) + "\n")
+    result = _report_module().report(tmp_path)
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["passed"] is False                                   # a step timed out
+    assert saved["fastest_training_core"] == {"dcvit_small_patch16_224/eager": "triton (0.950x ViT)"}
+    met = {(f["core"], f["kind"]): f["met"] for f in saved["figures"]}
+    assert met == {("triton", "train"): True, ("triton", "memory"): True,
+                   ("torch", "train"): False, ("torch", "memory"): False}
+    assert saved["training_runs"]["run_eager"]["epochs"] == 1
+    out = capsys.readouterr().out
+    assert "bench_S_eager_torch" in out and "timeout" in out and "+10.0 %" in out
+    assert result["loop_overhead"]["overhead"] == 0.1
