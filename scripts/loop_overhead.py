@@ -3,7 +3,8 @@
 Both run the same model, optimizer and in-memory batches (no data loading, no checkpoints),
 alternately, after warm-up; the overhead is ``loop_time / bare_time - 1`` per update. It is
 what the loop adds per step (host-device syncs, reductions, logging), which on a GPU shows
-up as idle time between kernels. Writes ``--json`` and prints one line.
+up as idle time between kernels. The loop runs as under SLURM or redirected torchrun logs:
+a loss check and a step line every ``--log-every`` updates. Writes ``--json`` and prints one line.
 
     python scripts/loop_overhead.py --device cuda --model dcvit_small_patch16_224 \\
         --batch-size 256 --amp bf16 --steps 50 --json loop_overhead.json
@@ -50,6 +51,8 @@ def measure(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     p.add_argument("--amp", default="bf16", choices=["none", "bf16", "fp16"])
     p.add_argument("--steps", type=int, default=50, help="updates per timed epoch")
     p.add_argument("--repeats", type=int, default=3, help="timed epochs of each (median)")
+    p.add_argument("--log-every", type=int, default=10,
+                   help="the loop's loss check and step line (to stderr) every N updates")
     p.add_argument("--json", default="loop_overhead.json")
     args = p.parse_args(argv)
 
@@ -68,7 +71,7 @@ def measure(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     y = torch.randint(0, 1000, (args.batch_size,), device=device)
     pipe = _MemoryPipe(x, y, args.steps)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    opts = StepOptions(amp=args.amp)
+    opts = StepOptions(amp=args.amp, log_every=args.log_every, step_lines=True)  # as without a terminal
 
     def loop() -> None:
         train_one_epoch(model, pipe, 0, optimizer=opt, scheduler=_NoSchedule(),
@@ -100,7 +103,7 @@ def measure(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                 times[name].append(time.perf_counter() - t0)
     loop_s, bare_s = statistics.median(times["loop"]), statistics.median(times["bare"])
     result = {"model": args.model, "device": str(device), "batch_size": args.batch_size,
-              "amp": args.amp, "steps": args.steps, "repeats": args.repeats,
+              "amp": args.amp, "steps": args.steps, "repeats": args.repeats, "log_every": args.log_every,
               "loop_ms_per_step": loop_s / args.steps * 1e3, "bare_ms_per_step": bare_s / args.steps * 1e3,
               "overhead": loop_s / bare_s - 1.0, "loop_times_s": times["loop"], "bare_times_s": times["bare"]}
     with open(args.json, "w") as f:
