@@ -176,6 +176,19 @@ def test_matrix_gradients_are_skipped_when_not_needed():
     assert all(t.grad is not None for t in (q, k, v))
 
 
+def test_backward_without_saved_statistics_recomputes_them():
+    """A caller that did not keep the log-sum-exp gets the same gradients (stats pass)."""
+    inputs, mask, mats = _case(2, 3, 19, 23, 8, seed=15)
+    out, lse = triton_core.attention_forward(*inputs, mask, *mats, 0.5)
+    _, lse2 = triton_core.attention_forward(*inputs, mask, *mats, 0.5, stats_only=True)
+    torch.testing.assert_close(lse2, lse, atol=0, rtol=0)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
+    with_stats = triton_core.attention_backward(grad, *inputs, mask, *mats, lse, 0.5)
+    without = triton_core.attention_backward(grad, *inputs, mask, *mats, None, 0.5)
+    for a, b in zip(with_stats, without):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 # --------------------------------------------------------------------- half precision
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

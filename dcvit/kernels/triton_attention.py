@@ -115,8 +115,9 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                    BT: tl.constexpr, BS: tl.constexpr, HAS_MASK: tl.constexpr,
                    HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
-                   HAS_MK2: tl.constexpr, PRECISION: tl.constexpr):
-    """One block of BT queries, all heads: O (B, T, H, D) and LSE (B, H, T)."""
+                   HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, STATS_ONLY: tl.constexpr):
+    """One block of BT queries, all heads: O (B, T, H, D) and LSE (B, H, T); with
+    STATS_ONLY, LSE alone (the first pass)."""
     b = tl.program_id(1).to(tl.int64)
     t_idx = tl.program_id(0) * BT + tl.arange(0, BT)
     h3 = tl.arange(0, HP)[:, None, None]
@@ -138,6 +139,11 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new[:, :, None]), axis=2)
         m_i = m_new
     lse = m_i + tl.log(l_i)
+    t2 = t_idx[None, :]
+    h2 = tl.arange(0, HP)[:, None]
+    tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 < H) & (t2 < T))
+    if STATS_ONLY:
+        return
 
     acc = tl.zeros((HP, BT, DP), tl.float32)
     for start in range(0, S, BS):                                           # pass 2: output
@@ -155,9 +161,6 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         acc += _dot(p.to(V.dtype.element_ty), v, PRECISION)
     tl.store(O + b * sob + h3 * soh + t3 * sot + d3 * sod, acc.to(O.dtype.element_ty),
              mask=hm & (t3 < T) & (d3 < D))
-    t2 = t_idx[None, :]
-    h2 = tl.arange(0, HP)[:, None]
-    tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 < H) & (t2 < T))
 
 
 @triton.jit

@@ -217,15 +217,18 @@ def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                       mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                      mk2: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
-    """The core's forward: (output (B, T, H, D), row log-sum-exp (B, H, T) float32)."""
+                      mk2: Optional[Tensor], scale: float,
+                      stats_only: bool = False) -> Tuple[Optional[Tensor], Tensor]:
+    """The core's forward: (output (B, T, H, D), row log-sum-exp (B, H, T) float32); with
+    ``stats_only`` (None, log-sum-exp): the first pass alone, for a backward whose caller did
+    not keep the statistics."""
     _check(q, k, v)
     B, H, T, D = q.shape
     S = k.shape[2]
     mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2))
     if mask is not None:
         mask = mask.expand(B, H, T, S)
-    out = v.new_empty(B, T, H, D)
+    out = v.new_empty(B, T, H, D) if not stats_only else v.new_empty(1, 1, 1, 1)
     lse = q.new_empty(B, H, T, dtype=torch.float32)
     o = out.transpose(1, 2)                                                  # (B, H, T, D) view
     mask_args = _mask_args(mask, lse)
@@ -233,17 +236,20 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     _launch("forward_kernel", q.device, H, T, "BT", B, (
         q, k, v, o, lse, mask_args[0], *(lse if m is None else m for m in mats),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *mask_args[1:],
-        *_matrix_strides(mats), T, S, float(scale)), _flags(q, mask, mats))
-    return out, lse
+        *_matrix_strides(mats), T, S, float(scale)), dict(_flags(q, mask, mats), STATS_ONLY=stats_only))
+    return (None if stats_only else out), lse
 
 
 def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                        mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                       mk2: Optional[Tensor], lse: Tensor, scale: float,
+                       mk2: Optional[Tensor], lse: Optional[Tensor], scale: float,
                        want: Sequence[bool] = (True, True, True, True)) -> List[Optional[Tensor]]:
     """Gradients for q, k, v, mq1, mk1, mq2, mk2 from the output's gradient ``grad``
-    (B, T, H, D) and the forward's ``lse``; ``want`` skips matrix gradients nobody needs.
-    Matrix gradients come back in each matrix's shape (broadcast dims summed), float32."""
+    (B, T, H, D) and the forward's ``lse`` (None: recomputed, one more launch); ``want``
+    skips matrix gradients nobody needs. Matrix gradients come back in each matrix's shape
+    (broadcast dims summed), float32."""
+    if lse is None:
+        _, lse = attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale, stats_only=True)
     B, H, T, D = q.shape
     S = k.shape[2]
     mats_in = (mq1, mk1, mq2, mk2)
