@@ -110,3 +110,30 @@ def test_step_lines_without_a_terminal(pipe, capsys):
     assert all(re.match(pattern, line) for line in lines), lines
     _epoch(pipe, StepOptions(log_every=5))                  # off: nothing printed
     assert "step" not in capsys.readouterr().err
+
+
+def test_disabled_loss_scaler_is_a_plain_clipped_step():
+    """timm's NativeScaler path with fp16 off: exactly backward, clip_grad_norm_, step."""
+    from train_imagenet.engine import LossScaler
+
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        return model, torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = torch.randn(8, 4) * 10, torch.randint(0, 3, (8,))
+    a, opt_a = setup()
+    scaler = LossScaler(enabled=False)
+    scaler(torch.nn.functional.cross_entropy(a(x), y), opt_a, clip_grad=0.1,
+           parameters=a.parameters(), need_update=False)          # accumulate only
+    assert all(p.grad is not None for p in a.parameters())
+    before = [p.detach().clone() for p in a.parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+    scaler(torch.nn.functional.cross_entropy(a(x), y), opt_a, clip_grad=0.1,
+           parameters=a.parameters(), need_update=True)
+    b, opt_b = setup()
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(b(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)
+    opt_b.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert scaler.state_dict() == {}

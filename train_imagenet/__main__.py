@@ -28,7 +28,8 @@ from .checkpoint import (CheckpointError, capture_rng, check_arch, load_checkpoi
 from .config import Config, ConfigError, config_to_dict, load_config, save_config
 from .data import DataError, DataPipe, is_remote, build_data, count_samples, resolve_source
 from .distributed import DistInfo, all_gather_object, broadcast_object, init_distributed, shutdown
-from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
+from .engine import (LossScaler, NonFiniteLoss, StepOptions, evaluate, peak_memory_mb,
+                     train_one_epoch)
 from .finetune import arch_entry, conversion_to_apply, param_group_fn
 from .logs import RunLog
 from .mixup import RollMixup
@@ -275,7 +276,7 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
                                        warmup_lr=cfg.sched.warmup_lr, min_lr=cfg.sched.min_lr,
                                        cooldown_epochs=cfg.sched.cooldown_epochs,
                                        step_on_epochs=False, updates_per_epoch=updates_per_epoch)
-    scaler = torch.amp.GradScaler("cuda") if cfg.amp == "fp16" else None
+    scaler = LossScaler(enabled=cfg.amp == "fp16")     # disabled: a plain backward and step
     a = cfg.aug
     mixup = None
     if a.mixup > 0 or a.cutmix > 0:
@@ -305,7 +306,7 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
         load_model_weights(model, state["model"], path)
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        if scaler is not None and state.get("scaler"):
+        if state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         epoch, start_batch, update = state["epoch"], state["batch"], state["update"]
         rngs = state.get("rng") or []
@@ -343,7 +344,7 @@ def _train(cfg: Config, model: torch.nn.Module, train: DataPipe, val: DataPipe,
             return None
         return {"model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
                 "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler else None, "epoch": epoch_,
+                "scaler": scaler.state_dict() or None, "epoch": epoch_,
                 "batch": batch_, "update": update_, "rng": rngs, "arch": _arch(cfg),
                 "config": config_to_dict(cfg)}
 

@@ -9,13 +9,14 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.distributed as dist
-from timm.utils import dispatch_clip_grad
+from timm.utils import NativeScaler
 
 from .checkpoint import restore_rng
 from .data import DataPipe
+from .distributed import all_reduce_mean
 from .metrics import EvalMetrics
 
-__all__ = ["NonFiniteLoss", "StepOptions", "train_one_epoch", "evaluate", "autocast",
+__all__ = ["NonFiniteLoss", "StepOptions", "LossScaler", "train_one_epoch", "evaluate", "autocast",
            "peak_memory_mb"]
 
 
@@ -34,6 +35,15 @@ class StepOptions:
     step_lines: bool = False        # a printed line every `log_every` updates (rank 0, no terminal)
     log_every: int = 50             # updates between loss checks (one sync, one all-reduce)
     save_every: int = 0             # updates between mid-epoch saves: the losses are checked first
+
+
+class LossScaler(NativeScaler):
+    """timm's NativeScaler (backward, then unscale, clip, step and update on the last
+    micro-batch), with its GradScaler enabled only for fp16: disabled, it is a plain
+    backward and optimizer step, so one code path serves every precision."""
+
+    def __init__(self, enabled: bool, device: str = "cuda"):
+        self._scaler = torch.amp.GradScaler(device if enabled else "cpu", enabled=enabled)
 
 
 def autocast(device: torch.device, amp: str):
@@ -55,7 +65,7 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
                     device: torch.device, opts: StepOptions, update: int,
                     start_batch: int = 0, rng_state: Optional[Dict[str, Any]] = None,
                     mixup: Optional[Callable] = None, ema: Optional[Any] = None,
-                    scaler: Optional[torch.amp.GradScaler] = None,
+                    scaler: Optional["LossScaler"] = None,
                     on_update: Optional[Callable[[int, int], None]] = None) -> Dict[str, float]:
     """Runs batches `start_batch..` of `epoch`; `model` may be DDP-wrapped.
 
@@ -71,6 +81,7 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
     the device works.
     """
     model.train()
+    scaler = scaler or LossScaler(enabled=False)
     accum = opts.accum_steps
     world = dist.get_world_size() if dist.is_initialized() else 1
     total = pipe.batches_per_epoch
@@ -91,11 +102,7 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
     def check_window(i: int) -> None:
         """One all-reduce and one host sync for the window's losses; NaN/inf raises."""
         nonlocal in_window, loss_sum, loss_n, last_t, last_i, last_samples
-        losses = window[:in_window]
-        if dist.is_initialized():  # every rank sees the same values, so all stop together
-            dist.all_reduce(losses)
-            losses /= world
-        values = losses.tolist()
+        values = all_reduce_mean(window[:in_window]).tolist()  # every rank stops alike
         first = update - in_window + 1
         for j, value in enumerate(values):
             if not math.isfinite(value):
@@ -142,24 +149,13 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
             if opts.nan_at_update and update + 1 == opts.nan_at_update:
                 loss = loss * float("nan")
             scaled = loss / accum
-            if scaler is not None:
-                scaler.scale(scaled).backward()
-            else:
-                scaled.backward()
+            # backward; on the last micro-batch also (unscale,) clip and step the optimizer
+            scaler(scaled, optimizer, clip_grad=opts.clip_grad or None, clip_mode=opts.clip_mode,
+                   parameters=model.parameters(), need_update=last_micro)
         pending += scaled.detach()
         samples += x.shape[0] * world
         if not last_micro:
             continue
-        if scaler is not None:
-            if opts.clip_grad:
-                scaler.unscale_(optimizer)
-                dispatch_clip_grad(model.parameters(), opts.clip_grad, mode=opts.clip_mode)
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            if opts.clip_grad:
-                dispatch_clip_grad(model.parameters(), opts.clip_grad, mode=opts.clip_mode)
-            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         update += 1
         scheduler.step_update(update)
