@@ -379,3 +379,22 @@ def test_long_sequences(T, S):
     """1030 keys (9 blocks of 128, looped over by each query block) and 1030 queries (65
     blocks, looped over by each key block in backward): no length needs to fit a block."""
     _assert_matches(*_case(1, 2, T, S, 16, seed=14), scale=0.25, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_torch_compile_keeps_the_triton_op():
+    """torch.compile(fullgraph=True) of a layer forced onto the Triton core: one opaque op in
+    the graph, the same output and input gradient as eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = dcvit.DCMHA(24, 3).to(DEVICE)
+    layer.attn_impl = "triton"
+    x = torch.randn(2, 9, 24, device=DEVICE)
+    runs = []
+    for fn in (layer, torch.compile(layer, fullgraph=True)):
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.square().sum().backward()
+        runs.append((y, xi.grad))
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
