@@ -61,3 +61,15 @@ def test_report_states_the_papers_claim_and_measured_multipliers(tmp_path, capsy
     need = math.exp(0.5 * (math.log(tiny["params"]) + math.log(small["params"])))
     assert measured[0]["params_x_baseline"] == f"{need / tiny['params']:.2f}×"
     assert (tmp_path / "rep" / "report.png").stat().st_size > 10_000
+
+
+def test_measured_rows_of_other_validation_sets_are_not_compared(tmp_path, capsys):
+    paths = []
+    for name, top1, val in [("vit_tiny_patch16_224", 60.0, "/a"), ("dcvit_tiny_patch16_224", 65.0, "/b")]:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"model": name, "top1": top1, "img_size": 32, "num_classes": 10,
+                                    "model_kwargs": {"depth": 1}, "val": val}))
+        paths.append(str(path))
+    assert main(["--results", *paths, "--out", str(tmp_path / "rep")]) == 0
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert not [e for e in data["efficiency"] if e["group"][0] == "measured"]

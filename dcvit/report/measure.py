@@ -23,7 +23,7 @@ from .speed import measure_pair, measure_throughput
 __all__ = ["Report", "param_efficiency_report"]
 
 # Keys of an evaluation file copied into its row.
-RESULT_COLUMNS = ("top1", "top5", "num_samples", "dataset", "ema", "epoch")
+RESULT_COLUMNS = ("top1", "top5", "num_samples", "dataset", "val", "ema", "epoch")
 
 
 @dataclass
@@ -182,14 +182,14 @@ def quoted_points(quoted: Sequence[Dict[str, Any]], log: Callable[[str], Any]) -
 
 
 def measured_points(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Rows with a top-1, grouped by dataset and epoch (eval-eNNNN.json) or final (eval.json)."""
+    """Rows with a top-1, grouped by dataset (else val path) and epoch (eval-eNNNN.json) or final."""
     points = []
     for r in rows:
         if "top1" not in r:
             continue
         epoch = f"epoch {r['epoch']}" if r.get("epoch") is not None else "final"
         points.append(dict(label=f"{r['model']}" + (" (EMA)" if r.get("ema") else ""), family=r["family"],
-                           group=("measured", str(r.get("dataset") or "eval.json"), epoch),
+                           group=("measured", str(r.get("dataset") or r.get("val") or "eval.json"), epoch),
                            top1=r["top1"], params=r["params"], macs=r["macs"],
                            baseline_params=r["baseline_params"], baseline_macs=r["baseline_macs"]))
     return points
