@@ -13,7 +13,7 @@ from dcvit.report import read_results
 from dcvit.report.model_spec import ReportError
 from dcvit.schema import (EvalResult, SchemaError, ShardMeta, check_split, metadata_path, shard_name,
                           split_of, IMAGE_EXTENSIONS)
-from train_imagenet.__main__ import _result
+from train_imagenet.results import eval_result as _result
 from train_imagenet.config import load_config
 from train_imagenet.data import count_samples, resolve_source
 

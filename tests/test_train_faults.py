@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 
-import train_imagenet.__main__ as entry_mod
+import train_imagenet.results as results_mod
+import train_imagenet.trainer as trainer_mod
 from train_imagenet import shard_check
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
@@ -170,16 +171,16 @@ def test_epoch_checkpoint_is_saved_before_evaluation(tmp_path, monkeypatch):
     resume=auto evaluates it without training again."""
     root = _shards(tmp_path / "d")
     out = tmp_path / "out"
-    real_evaluate = entry_mod.evaluate
+    real_evaluate = results_mod.evaluate
 
     def broken(*args, **kwargs):
         raise OSError("simulated: the val storage went away")
-    monkeypatch.setattr(entry_mod, "evaluate", broken)
+    monkeypatch.setattr(results_mod, "evaluate", broken)
     with pytest.raises(OSError, match="simulated"):
         _run(root, out, "resume=auto")
     saved = list_checkpoints(str(out))
     assert [load_checkpoint(p)["epoch"] for p in saved] == [1]
-    monkeypatch.setattr(entry_mod, "evaluate", real_evaluate)
+    monkeypatch.setattr(results_mod, "evaluate", real_evaluate)
     assert _run(root, out, "resume=auto") == 0
     assert list_checkpoints(str(out)) == saved                 # nothing retrained
     result = json.loads((out / "eval.json").read_text())
@@ -347,14 +348,14 @@ def test_nan_stop_names_the_last_checkpoint_that_verifies(tmp_path, capsys, monk
     """The checkpoint of update 6 is damaged on disk right after it was written; the NaN at
     update 7 then names update 4's checkpoint as the last good one, not the damaged file."""
     root = _shards(tmp_path / "d")
-    real_save = entry_mod.save_checkpoint
+    real_save = trainer_mod.save_checkpoint
 
     def save_then_damage(state, run_dir, keep):
         path = real_save(state, run_dir, keep)
         if state["update"] == 6:
             _alter_a_tensor(path)
         return path
-    monkeypatch.setattr(entry_mod, "save_checkpoint", save_then_damage)
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_damage)
     out = tmp_path / "out"
     assert _run(root, out, "epochs=2", "save_every_steps=2", "keep_checkpoints=5",
                 "debug.nan_at_step=7", "log_every=2") == 3

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train_imagenet.__main__ as entry_mod
+from train_imagenet.start import load_start_weights
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.distributed import DistInfo
@@ -211,13 +212,13 @@ def test_start_from_weights_files(data, tmp_path, capsys):
 
     cfg = _tiny_cfg(data[0], "vit_tiny_patch16_224")
     model = entry_mod.build_model(cfg)
-    assert entry_mod.load_start_weights(model, str(st), cfg) is None
+    assert load_start_weights(model, str(st), cfg) is None
     assert all(torch.equal(v, source[k]) for k, v in model.state_dict().items())
 
     cfg = _tiny_cfg(data[0], "dcvit_tiny")
     model = entry_mod.build_model(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    entry_mod.load_start_weights(model, str(pth), cfg)
+    load_start_weights(model, str(pth), cfg)
     after = model.state_dict()
     dcmha = [k for k in after if k not in source]
     assert dcmha and all(torch.equal(after[k], before[k]) for k in dcmha)
@@ -225,7 +226,7 @@ def test_start_from_weights_files(data, tmp_path, capsys):
 
     big = _tiny_cfg(data[0], "dcvit_tiny", embed_dim=48)
     with pytest.raises(entry_mod.CheckpointError, match="another size"):
-        entry_mod.load_start_weights(entry_mod.build_model(big), str(st), big)
+        load_start_weights(entry_mod.build_model(big), str(st), big)
 
     out = tmp_path / "from_st"
     assert _run(data, out, "model=dcvit_tiny", f"checkpoint={st}", "epochs=1", "aug.mixup=0",

@@ -27,7 +27,7 @@ import torch
 from dcvit.io import atomic_write
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_latest",
-           "list_checkpoints", "capture_rng", "restore_rng", "check_arch", "load_model_weights",
+           "list_checkpoints", "capture_rng", "restore_rng", "seed_all", "check_arch", "load_model_weights",
            "content_digest"]
 
 _NAME = re.compile(r"ckpt-e(\d+)-u(\d+)\.pth$")
@@ -49,6 +49,13 @@ def capture_rng() -> Dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state()
     return out
+
+
+def seed_all(seed: int) -> None:
+    """Seeds Python's, NumPy's and torch's generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 def restore_rng(state: Dict[str, Any]) -> None:

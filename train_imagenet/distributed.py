@@ -1,12 +1,13 @@
 """torch.distributed from torchrun's environment: gloo on CPU, NCCL on GPU; one process without it."""
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, List
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistInfo", "init_distributed", "barrier", "broadcast_object", "all_gather_object",
+__all__ = ["DistInfo", "init_distributed", "log_main", "barrier", "broadcast_object", "all_gather_object",
            "all_reduce_mean", "shutdown"]
 
 
@@ -49,6 +50,12 @@ def init_distributed(device: str = "auto") -> DistInfo:
                                 store=dist.PrefixStore(f"train_imagenet/attempt_{attempt}", store),
                                 rank=rank, world_size=world, device_id=dev if want_cuda else None)
     return DistInfo(rank, world, local, dev)
+
+
+def log_main(info: DistInfo, msg: str) -> None:
+    """A progress message on rank 0's stderr."""
+    if info.is_main:
+        print(f"[train_imagenet] {msg}", file=sys.stderr, flush=True)
 
 
 def barrier() -> None:

@@ -1,0 +1,158 @@
+"""The runs after their checks. Training: the recipe, the start position, the epoch loop with
+its checkpoints (mid-epoch and per epoch, each written before the epoch is evaluated), the
+logs and the results. ``--eval-only``: the results of one checkpoint."""
+import os
+import sys
+from typing import Any, Dict, Optional
+
+import torch
+
+from .checkpoint import (CheckpointError, capture_rng, load_latest, load_model_weights,
+                         save_checkpoint, seed_all)
+from .config import Config, config_to_dict, save_config
+from .data import DataPipe
+from .distributed import DistInfo, all_gather_object, log_main
+from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
+from .logs import RunLog
+from .recipe import build_recipe
+from .results import evaluate_both, write_epoch_results, write_results
+from .start import arch_of, load_start_weights, start_training
+
+__all__ = ["train", "evaluate_checkpoint", "write_config", "CRASH_EXIT_CODE"]
+
+CRASH_EXIT_CODE = 17
+
+
+def write_config(cfg: Config, info: DistInfo) -> None:
+    """The resolved config, written once every check has passed (a refused command leaves
+    the run directory's config as it was)."""
+    if info.is_main:
+        save_config(cfg, os.path.join(cfg.output_dir, "eval_config.yaml" if cfg.eval_only
+                                      else "config.yaml"))
+
+
+def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPipe,
+          info: DistInfo, path: str, state: Optional[Dict[str, Any]]) -> int:
+    """Trains from scratch, from `checkpoint=` weights, or on from `path` (`resume`), whose
+    content `state` rank 0 may already have loaded."""
+    from timm.utils import ModelEmaV3
+
+    device, run_dir = info.device, cfg.output_dir
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
+    recipe = build_recipe(cfg, model, train_data.batches_per_epoch, info.world_size)
+    start = start_training(cfg, model, recipe, info, path, state)
+    ema = None  # made after loading, so it starts from the loaded weights
+    if cfg.ema.enabled:
+        ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup)
+        if start.resumed_from and start.state.get("ema") is not None:
+            load_model_weights(ema.module, start.state["ema"], start.resumed_from, what="EMA")
+    if start.rng_state is None:
+        seed_all(cfg.seed * 1000 + info.rank + 1 + start.epoch)
+    recipe.scheduler.step_update(start.update)
+
+    train_model: torch.nn.Module = model
+    if info.enabled:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[info.local_rank] if device.type == "cuda" else None)
+    if cfg.compile:
+        train_model = torch.compile(train_model)
+
+    def save(epoch_: int, batch_: int, update_: int) -> str:
+        rngs = all_gather_object(capture_rng())  # collective: every rank calls it
+        if not info.is_main:
+            return ""
+        return save_checkpoint({
+            "model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
+            "optimizer": recipe.optimizer.state_dict(), "scheduler": recipe.scheduler.state_dict(),
+            "scaler": recipe.scaler.state_dict() or None, "epoch": epoch_, "batch": batch_,
+            "update": update_, "rng": rngs, "arch": arch_of(cfg), "config": config_to_dict(cfg),
+        }, run_dir, cfg.keep_checkpoints)
+
+    current_epoch = [start.epoch]
+
+    def on_update(batch_done: int, update_: int) -> None:
+        if cfg.save_every_steps and update_ % cfg.save_every_steps == 0 \
+                and batch_done < train_data.batches_per_epoch:
+            save(current_epoch[0], batch_done, update_)
+        if cfg.debug.crash_at_step == update_ and not start.resumed_from:
+            log_main(info, f"debug.crash_at_step={update_}: exiting hard (simulated failure)")
+            os._exit(CRASH_EXIT_CODE)
+
+    write_config(cfg, info)
+    runlog = RunLog(run_dir, info.is_main, cfg.tensorboard)
+    opts = StepOptions(accum_steps=cfg.accum_steps, clip_grad=cfg.optim.clip_grad,
+                       clip_mode=cfg.optim.clip_mode, amp=cfg.amp, nan_at_update=cfg.debug.nan_at_step,
+                       progress=info.is_main and sys.stderr.isatty(),
+                       step_lines=info.is_main and not sys.stderr.isatty(), log_every=cfg.log_every,
+                       save_every=cfg.save_every_steps)
+    log_main(info, f"{cfg.model}: {sum(p.numel() for p in model.parameters()):,} params, "
+                   f"{train_data.num_samples} train / {val.num_samples} val samples, "
+                   f"{train_data.batches_per_epoch} batches/epoch/rank, global batch "
+                   f"{recipe.global_batch}, lr {recipe.lr:.3g}")
+    metrics: Dict[str, float] = {}
+    ema_metrics: Optional[Dict[str, float]] = None
+    epoch, start_batch, update, rng_state = start.epoch, start.batch, start.update, start.rng_state
+    last_path = start.resumed_from
+    if last_path and start_batch == 0 and epoch in cfg.eval_epochs and not os.path.exists(
+            os.path.join(run_dir, f"eval-e{epoch:04d}.json")):  # its evaluation did not finish
+        m, m_ema = evaluate_both(cfg, model, ema, val, device)
+        write_epoch_results(cfg, info, epoch, m, m_ema, last_path)
+    for epoch in range(epoch, cfg.epochs):
+        current_epoch[0] = epoch
+        try:
+            stats = train_one_epoch(
+                train_model, train_data, epoch, optimizer=recipe.optimizer,
+                scheduler=recipe.scheduler, loss_fn=recipe.loss_fn, device=device, opts=opts,
+                update=update, start_batch=start_batch, rng_state=rng_state, mixup=recipe.mixup,
+                ema=ema, scaler=recipe.scaler, on_update=on_update)
+        except NonFiniteLoss as e:
+            if not info.is_main:
+                raise NonFiniteLoss(f"{e}. Rank 0 names the last good checkpoint") from e
+            good = load_latest(run_dir, set_aside=False)[0]
+            raise NonFiniteLoss(f"{e}. The last good checkpoint is "
+                                f"{good or 'none (none was saved yet)'}") from e
+        update, start_batch, rng_state = stats.pop("updates"), 0, None
+        record: Dict[str, Any] = {"epoch": epoch, **stats}
+        total_skipped = sum(all_gather_object(record["corrupt_skipped"]))
+        record["corrupt_skipped"] = total_skipped
+        if total_skipped:
+            log_main(info, f"epoch {epoch}: skipped {total_skipped} corrupt samples")
+        last_path = save(epoch + 1, 0, update) or last_path  # before evaluating: keep the epoch
+        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or epoch + 1 in cfg.eval_epochs:
+            metrics, ema_metrics = evaluate_both(cfg, model, ema, val, device)
+            record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
+            if ema_metrics is not None:
+                record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
+            write_epoch_results(cfg, info, epoch + 1, metrics, ema_metrics, last_path)
+        record["peak_mem_mb"] = peak_memory_mb(device)
+        runlog.epoch(record)
+        log_main(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in record.items()))
+    if not metrics and start.resumed_from and epoch >= cfg.epochs:
+        # resumed from the final checkpoint (its evaluation did not finish): evaluate it now
+        metrics, ema_metrics = evaluate_both(cfg, model, ema, val, device)
+        log_main(info, f"final evaluation of {start.resumed_from}: top1 {metrics['top1']:.2f}")
+    runlog.close()
+    if metrics:
+        write_results(cfg, info, metrics, ema_metrics, last_path)
+    return 0
+
+
+def evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info: DistInfo,
+                        path: Optional[str]) -> int:
+    """``--eval-only``: eval.json of the weights in `path` (and eval_ema.json of its EMA)."""
+    if not path:
+        raise CheckpointError(f"eval_only needs checkpoint=PATH (no checkpoint in {cfg.output_dir!r})")
+    state = load_start_weights(model, path, cfg) or {}
+    write_config(cfg, info)
+    metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
+    ema_metrics = None
+    log_main(info, f"{path}: top1 {metrics['top1']:.2f} top5 {metrics['top5']:.2f} "
+                   f"on {metrics['num_samples']} samples")
+    if state.get("ema") is not None:
+        load_model_weights(model, state["ema"], path, what="EMA")
+        ema_metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
+        log_main(info, f"EMA: top1 {ema_metrics['top1']:.2f} top5 {ema_metrics['top5']:.2f}")
+    write_results(cfg, info, metrics, ema_metrics, path)
+    return 0
