@@ -234,3 +234,24 @@ def test_start_from_weights_files(data, tmp_path, capsys):
     assert load_checkpoint(list_checkpoints(str(out))[-1])["update"] == 12
     assert _run(data, tmp_path / "ev", "--eval-only", f"checkpoint={st}") == 0
     assert _json(tmp_path / "ev" / "eval.json")["checkpoint"] == str(st)
+
+
+def test_the_model_does_not_write_into_the_config(data, tmp_path, monkeypatch):
+    """data.mean/std unset: the run normalises with the model's pretrained values, and the
+    config (in memory and in config.yaml) stays as given."""
+    import yaml
+    from train_imagenet.config import load_config
+    import train_imagenet.__main__ as entry
+    seen = []
+    real_build = entry.build_data
+    monkeypatch.setattr(entry, "build_data", lambda *a, **k: seen.append(a[-1]) or real_build(*a, **k))
+    root = data[0]
+    cfg = load_config(None, [f"data.train={root}", f"data.val={root}", f"output_dir={tmp_path / 'r'}",
+                             *TINY, "epochs=1", "aug.mixup=0", "aug.cutmix=0"])
+    assert entry.run(cfg) == 0
+    assert cfg.data.mean is None and cfg.data.std is None
+    import timm
+    pretrained = timm.create_model("vit_tiny_patch16_224").pretrained_cfg
+    assert seen == [(list(pretrained["mean"]), list(pretrained["std"]))] * 2
+    saved = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert saved["data"]["mean"] is None and saved["data"]["std"] is None

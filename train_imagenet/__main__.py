@@ -21,7 +21,7 @@ from .data import DataError, build_data, count_samples, is_remote, resolve_sourc
 from .distributed import DistInfo, broadcast_object, init_distributed, log_main, shutdown
 from .engine import NonFiniteLoss
 from .finetune import conversion_to_apply
-from .model import build_model
+from .model import build_model, input_norm
 from .recipe import check_recipe
 from .run_lock import RunDirError, RunLock, prepare_run_dir
 from .trainer import evaluate_checkpoint, train
@@ -100,13 +100,10 @@ def run(cfg: Config) -> int:
         conversion_to_apply(cfg, start or cfg.checkpoint, lambda msg: log_main(info, msg))
         seed_all(cfg.seed)  # the same initial weights on every rank and world size
         model = build_model(cfg, pretrained=not resuming)
-        if cfg.data.mean is None or cfg.data.std is None:
-            pcfg = getattr(model, "pretrained_cfg", {}) or {}
-            cfg.data.mean = list(cfg.data.mean or pcfg.get("mean", (0.485, 0.456, 0.406)))
-            cfg.data.std = list(cfg.data.std or pcfg.get("std", (0.229, 0.224, 0.225)))
-        val = build_data(cfg, "val", info.rank, info.world_size, _counts(cfg, "val", info))
+        norm = input_norm(cfg, model)   # the config stays as given (data.mean: null = the model's)
+        val = build_data(cfg, "val", info.rank, info.world_size, _counts(cfg, "val", info), norm)
         train_data = None if cfg.eval_only else build_data(
-            cfg, "train", info.rank, info.world_size, _counts(cfg, "train", info))
+            cfg, "train", info.rank, info.world_size, _counts(cfg, "train", info), norm)
         model.to(device)
         if cfg.eval_only:
             return evaluate_checkpoint(cfg, model, val, info, start)

@@ -34,7 +34,7 @@ import torch
 from webdataset.tariterators import tarfile_samples
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-from timm.data import create_transform
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from timm.data.distributed_sampler import RepeatAugSampler
 
 from dcvit.schema import IMAGE_EXTENSIONS, ShardMeta, metadata_path, split_of
@@ -181,11 +181,15 @@ def count_samples(source: Source, key: str = "data", num_classes: Optional[int] 
             "classes_exact": 0}
 
 
-def build_transform(cfg: Config, training: bool) -> Callable:
-    """timm's transforms: RandAugment, random erasing, random-resized crop; eval centre crop."""
+def build_transform(cfg: Config, training: bool,
+                    norm: Optional[Tuple[List[float], List[float]]] = None) -> Callable:
+    """timm's transforms: RandAugment, random erasing, random-resized crop; eval centre crop.
+    `norm` is (mean, std) (`model.input_norm`); by default ``data.mean``/``data.std``, else
+    timm's ImageNet values."""
     d, a = cfg.data, cfg.aug
+    mean, std = norm or (d.mean or IMAGENET_DEFAULT_MEAN, d.std or IMAGENET_DEFAULT_STD)
     common = dict(input_size=d.img_size, interpolation=d.interpolation,
-                  mean=tuple(d.mean), std=tuple(d.std), crop_pct=d.crop_pct)
+                  mean=tuple(mean), std=tuple(std), crop_pct=d.crop_pct)
     if not training or a.no_aug:
         return create_transform(is_training=False, **common)
     return create_transform(is_training=True, scale=tuple(a.scale), hflip=a.hflip,
@@ -401,8 +405,10 @@ class DataPipe:
 
 
 def build_data(cfg: Config, split: str, rank: int = 0, world_size: int = 1,
-               counts: Optional[Dict[str, int]] = None) -> DataPipe:
-    """The DataPipe for `split` ('train' or 'val'); `counts` as from `count_samples`."""
+               counts: Optional[Dict[str, int]] = None,
+               norm: Optional[Tuple[List[float], List[float]]] = None) -> DataPipe:
+    """The DataPipe for `split` ('train' or 'val'); `counts` as from `count_samples`, `norm`
+    the input (mean, std) as `build_transform` takes it."""
     training = split == "train"
     key = f"data.{split}"
     source = resolve_source(getattr(cfg.data, split), key)
@@ -418,7 +424,7 @@ def build_data(cfg: Config, split: str, rank: int = 0, world_size: int = 1,
     if found > cfg.data.num_classes or (counts.get("classes_exact") and found != cfg.data.num_classes):
         raise DataError(f"{key} has {found} classes (labels 0..{found - 1}) but "
                         f"data.num_classes={cfg.data.num_classes}; set data.num_classes={found}")
-    transform = build_transform(cfg, training)
+    transform = build_transform(cfg, training, norm)
     b, accum = cfg.batch_size, cfg.accum_steps
     common = dict(training=training, batch_size=b, num_workers=cfg.data.num_workers,
                   pin_memory=cfg.data.pin_memory, seed=cfg.seed, rank=rank,

@@ -1,7 +1,9 @@
 """The model a config describes: ``timm.create_model`` with its kwargs, checked against the data."""
 import difflib
+from typing import List, Tuple
 
 import timm
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 import torch
 
 import dcvit  # noqa: F401  (registers dcvit_* with timm)
@@ -9,7 +11,7 @@ import dcvit  # noqa: F401  (registers dcvit_* with timm)
 from .config import Config, ConfigError
 from .finetune import apply_conversion, pretrained_kwargs
 
-__all__ = ["build_model"]
+__all__ = ["build_model", "input_norm"]
 
 
 def build_model(cfg: Config, pretrained: bool = True) -> torch.nn.Module:
@@ -59,3 +61,13 @@ def build_model(cfg: Config, pretrained: bool = True) -> torch.nn.Module:
     if cfg.convert.enabled:
         apply_conversion(model, cfg)
     return model
+
+
+def input_norm(cfg: Config, model: torch.nn.Module) -> Tuple[List[float], List[float]]:
+    """(mean, std) of the input normalisation: ``data.mean``/``data.std`` where set, else the
+    model's pretrained config (timm's ImageNet values when it has none). The config itself is
+    left as given."""
+    pcfg = getattr(model, "pretrained_cfg", {}) or {}
+    mean = cfg.data.mean or pcfg.get("mean", IMAGENET_DEFAULT_MEAN)
+    std = cfg.data.std or pcfg.get("std", IMAGENET_DEFAULT_STD)
+    return list(mean), list(std)
