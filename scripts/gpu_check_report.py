@@ -68,6 +68,19 @@ def _fastest(figures: List[Dict[str, Any]]) -> Dict[str, str]:
     return {k: f"{f['core']} ({f['ratio']:.3f}x ViT)" for k, f in best.items()}
 
 
+def _suggestion(figures: List[Dict[str, Any]], device: str) -> Dict[str, Dict[str, str]]:
+    """The `dcvit.fused.CUDA_MEASURED` entry these figures support: per eager/compile, the
+    core with the fastest DCViT-S/16 training step (any model when S/16 was not run)."""
+    train = [f for f in figures if f["kind"] == "train"]
+    small = [f for f in train if f["model"].startswith("dcvit_small")] or train
+    cores: Dict[str, str] = {}
+    for backend in ("eager", "compile"):
+        rows = [f for f in small if f["backend"] == backend]
+        if rows:
+            cores[backend] = max(rows, key=lambda f: f["ratio"])["core"]
+    return {device: cores} if cores else {}
+
+
 def _training_runs(out: Path) -> Dict[str, Any]:
     runs = {}
     for run in sorted(out.glob("run_*")):
@@ -80,12 +93,14 @@ def _training_runs(out: Path) -> Dict[str, Any]:
 
 def report(out: Path) -> Dict[str, Any]:
     steps, figures = _steps(out), _figures(out)
-    result = {"environment": _load(out / "environment.json"), "steps": steps, "figures": figures,
-              "fastest_training_core": _fastest(figures), "training_runs": _training_runs(out),
+    env = _load(out / "environment.json") or {}
+    result = {"environment": env, "steps": steps, "figures": figures,
+              "fastest_training_core": _fastest(figures),
+              "suggested_cuda_measured": _suggestion(figures, env.get("device", "?")),
+              "training_runs": _training_runs(out),
               "loop_overhead": _load(out / "loop_overhead.json"), "targets": TARGETS,
               "passed": all(s["status"] == "pass" for s in steps)}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    env = result["environment"] or {}
     print(f"\ngpu_check on {env.get('device', '?')} (torch {env.get('torch', '?')}, "
           f"triton {env.get('triton', '?')}; automatic core: {env.get('auto_core', '?')})")
     print(f"\n{'step':<34}{'status':<9}{'seconds':>8}{'limit':>7}")
@@ -100,6 +115,7 @@ def report(out: Path) -> Dict[str, Any]:
                   f"{fmt(f['dcvit']):>11}{fmt(f['vit']):>11}{f['ratio']:>7.3f}{op + str(bound):>8}  "
                   f"{'yes' if f['met'] else 'no'}")
         print("\nfastest training core: " + ", ".join(f"{k}: {v}" for k, v in result["fastest_training_core"].items()))
+        print(f"dcvit.fused.CUDA_MEASURED entry these figures support: {result['suggested_cuda_measured']}")
     lo = result["loop_overhead"]
     if lo:
         print(f"training loop vs bare loop: {lo['loop_ms_per_step']:.2f} vs {lo['bare_ms_per_step']:.2f} "

@@ -25,6 +25,7 @@ def _bench(path: Path, core: str, train_ratio: float, memory_ratio: float) -> No
 
 
 def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
+    (tmp_path / "environment.json").write_text(json.dumps({"device": "NVIDIA H100"}))
     (tmp_path / "steps.tsv").write_text("tests\tpass\t30\t360\ttests.log\n"
                                         "bench_S_eager_torch\ttimeout\t240\t240\tx.log\n")
     _bench(tmp_path / "bench_S_eager_triton.json", "triton", 0.95, 1.05)
@@ -38,6 +39,7 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["passed"] is False                                   # a step timed out
     assert saved["fastest_training_core"] == {"dcvit_small_patch16_224/eager": "triton (0.950x ViT)"}
+    assert saved["suggested_cuda_measured"] == {"NVIDIA H100": {"eager": "triton"}}
     met = {(f["core"], f["kind"]): f["met"] for f in saved["figures"]}
     assert met == {("triton", "train"): True, ("triton", "memory"): True,
                    ("torch", "train"): False, ("torch", "memory"): False}
