@@ -2,20 +2,23 @@
 
 With each Compose stage merged into per-token H×H matrices (`dcvit.matrices`), the attention
 core ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v`` is one custom op,
-``dcvit::composed_attention`` (`composed_attention`), with its own backward op: it saves
-only q, k, v and the matrices and recomputes the (B, H, T, S) maps in backward, and
-``torch.compile`` keeps it as one node. Its cores:
+``dcvit::composed_attention`` (`composed_attention`), with its own backward op,
+``dcvit::composed_attention_backward``: it saves only q, k, v and the matrices and
+recomputes the (B, H, T, S) maps in backward, and ``torch.compile`` keeps it as one node.
+Its cores (the op's ``impl`` argument):
 
-* ``"cpp"``:    the C++ kernel (`dcvit.kernels.compose_cpu`), CPU fp32/fp64: the whole core,
-  products included, flash-style per batch element and block of queries on each thread;
+* ``"cpp"``:    the C++ kernels (`dcvit.kernels.compose_cpu`, operators ``dcvit_cpu::*``),
+  CPU fp32/fp64: the whole core, products included, flash-style per batch element and
+  block of queries on each thread;
 * ``"triton"``: the whole core, forward and backward, in Triton kernels
-  (`dcvit.kernels.triton_core`), CUDA: its own custom op, ``dcvit::triton_attention``;
+  (`dcvit.kernels.triton_core`), CUDA: its own custom op, ``dcvit::triton_attention``
+  (it saves the softmax statistics between forward and backward);
 * ``"torch"``:  the same maths in PyTorch ops (any device).
 
 "torch" (and "cpp" for bf16 inputs or when the weights themselves are returned) run
-over tiles of (batch, queries) of about 2 MiB (`TILE_ELEMENTS`, `_tiles`): q k^T and p v by
-``baddbmm`` around the rows (all heads of one query together). Two more cores skip the
-custom op:
+in the tiled driver (`_attention_forward`, `_attention_backward`): tiles of (batch,
+queries) of about 2 MiB on CPU (`TILE_ELEMENTS`, `_tiles`), q k^T and p v by ``baddbmm``
+around the rows (all heads of one query together). Two more cores skip the custom op:
 
 * ``"compile"``: plain differentiable PyTorch written for inductor to fuse (no graph breaks);
 * ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
@@ -24,10 +27,27 @@ custom op:
 `select_impl` is the one place that picks a core (by device, dtype and context);
 `attention_impl` forces one. The per-slot Compose matrices travel as
 `dcvit.matrices.ComposeMatrices`.
+
+Device kernels. The ops' autograd and fake-tensor rules are registered once, for every
+device; a device's kernel for one core is plugged in with `register_core` (which calls
+``torch.library.register_kernel`` on both ops): the C++ core is registered so for ``"cpu"``
+below. A device kernel whose backward recomputes from the op's inputs alone registers the
+same way, from this module (kernels never import it), e.g. for CUDA::
+
+    register_core("cuda", "triton", forward, backward)
+    # forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> (B, T, H, D) output, or None
+    # backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+    #     -> [dq, dk, dv, dmq1, dmk1, dmq2, dmk2], or None
+
+with the op's arguments: q, k, v (B, H, N, D) on any strides (v None: the weights
+(B, H, T, S) are wanted), mask additive and broadcastable to (B, H, T, S) or None, mq*
+(B|1, T|1, H, H), mk* (B, S, H, H) or None, ``grad`` of the output's (B, H, T, D) view.
+Returning None declines (the tiled driver runs); `select_impl` decides which core runs.
+The ops carry no saved state besides their inputs: a kernel that keeps softmax statistics
+from forward for backward (today's Triton core) has its own op for now.
 """
 import contextlib
-import ctypes
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -256,61 +276,22 @@ class _MatrixGrads:
 
 # ------------------------------------------------------------------------ rows, C++
 
-def _mask_args(mask: Optional[Tensor]):
-    if mask is None:
-        return [ctypes.c_void_p(0)] + [ctypes.c_int64(0)] * 4
-    return [compose_cpu.ptr(mask)] + [ctypes.c_int64(st) for st in mask.stride()]
-
-
-def _cpp_operands(s0: Tensor, stage: Stage) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """A stage's matrices for the C++ kernel: Mq (B, T, H, H), Mk (B, S, H, H), contiguous
-    (no copy when `_matrices_for` prepared them for the whole batch)."""
-    B, H, T, S = s0.shape
-    mq, mk = stage
-    if mq is None:
-        return None, None
-    mq = mq.to(s0.dtype).expand(B, T, H, H).contiguous()
-    return mq, None if mk is None else mk.to(s0.dtype).contiguous()
-
-
 def _rows_forward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage) -> Tensor:
-    B, H, T, S = s0.shape
-    mq1, mk1 = _cpp_operands(s0, pre)
-    mq2, mk2 = _cpp_operands(s0, post)
-    out = torch.empty_like(s0)
-    ptr = compose_cpu.ptr
-    if compose_cpu.function("rows_forward", s0.dtype)(
-            ptr(s0), ptr(out), *_mask_args(mask), ptr(mq1), ptr(mk1), ptr(mq2), ptr(mk2),
-            ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S),
-            ctypes.c_int(torch.get_num_threads())):
-        return _rows_forward_torch(s0, mask, pre, post)                     # more heads than it takes
-    return out
+    if s0.shape[1] > compose_cpu.MAX_HEADS:
+        return _rows_forward_torch(s0, mask, pre, post)
+    return torch.ops.dcvit_cpu.rows_forward(s0, mask, *pre, *post)
 
 
 def _rows_backward_cpp(s0: Tensor, mask: Optional[Tensor], pre: Stage, post: Stage,
                        dp2: Tensor) -> Tuple[Tensor, Tensor, Stage, Stage]:
-    B, H, T, S = s0.shape
-    n = torch.get_num_threads()
-    mq1, mk1 = _cpp_operands(s0, pre)
-    mq2, mk2 = _cpp_operands(s0, post)
-    p2, ds0 = torch.empty_like(s0), torch.empty_like(s0)
-    dmq1 = torch.empty_like(mq1) if mq1 is not None else None
-    dmq2 = torch.empty_like(mq2) if mq2 is not None else None
-    dmk1 = s0.new_zeros(n, B, S, H, H) if mk1 is not None else None
-    dmk2 = s0.new_zeros(n, B, S, H, H) if mk2 is not None else None
-    ptr = compose_cpu.ptr
-    if compose_cpu.function("rows_backward", s0.dtype)(
-            ptr(s0), ptr(dp2), ptr(p2), ptr(ds0), *_mask_args(mask),
-            ptr(mq1), ptr(mk1), ptr(mq2), ptr(mk2), ptr(dmq1), ptr(dmk1), ptr(dmq2), ptr(dmk2),
-            ctypes.c_int64(B), ctypes.c_int64(H), ctypes.c_int64(T), ctypes.c_int64(S), ctypes.c_int(n)):
-        return _rows_backward_torch(s0, mask, pre, post, dp2)               # more heads than it takes
-
-    def key_grad(d: Optional[Tensor]) -> Optional[Tensor]:
-        return None if d is None else d.sum(0)                              # (B, S, H, H)
-    return p2, ds0, (dmq1, key_grad(dmk1)), (dmq2, key_grad(dmk2))
+    if s0.shape[1] > compose_cpu.MAX_HEADS:
+        return _rows_backward_torch(s0, mask, pre, post, dp2)
+    p2, ds0, *d = torch.ops.dcvit_cpu.rows_backward(s0, dp2, mask, *pre, *post)
+    d = [None if m is None else g for g, m in zip(d, (*pre, *post))]
+    return p2, ds0, (d[0], d[1]), (d[2], d[3])
 
 
-# -------------------------------------------------------------------- autograd Function
+# ------------------------------------------------------------- the core, tile by tile
 
 def _reduce_to(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
     """Sum a (B, T, H, H) gradient down to a broadcast input's shape, in its dtype."""
@@ -338,17 +319,12 @@ def _attention_forward(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
                        mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
                        mk2: Optional[Tensor], impl: str, scale: float) -> Tensor:
     """compose2(softmax(compose1(scale q k^T) + mask)) @ v, tile by tile (no autograd), as
-    (B, T, H, D) (so that merging the heads is free), or the weights (B, H, T, S) without v."""
+    (B, T, H, D) (so that merging the heads is free), or the weights (B, H, T, S) without v;
+    the rows by core ``impl``."""
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), _compute_dtype(q))
     mq1, mk1, mq2, mk2 = _matrices_for(impl, (B, T, H), _compute_dtype(q), (mq1, mk1, mq2, mk2))
-    if _fused_cpp(impl, q, k, v):
-        out = _out_like(q, v)
-        view = out.transpose(1, 2)                                          # (B, H, T, D)
-        if _call_fused("attention_forward", [*_unit_rows(q, k, v), view], mask,
-                       [mq1, mk1, mq2, mk2], (B, H, T, S, q.shape[-1]), scale):
-            return out
     out = q.new_empty(B, H, T, S) if v is None else _out_like(q, v)
     view = out if v is None else out.transpose(1, 2)                        # (B, H, T, S|D)
     for bs, ts in _core_tiles(q, S):
@@ -365,54 +341,18 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return v.new_empty(B, T, H, v.shape[-1])
 
 
-def _fused_cpp(impl: str, q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
-    """Whether the C++ kernel runs the whole core (products included): float32/float64 CPU
-    operands of one dtype, with values (the kernel's own GEMMs read any strides)."""
-    return (impl == "cpp" and v is not None and q.dtype in (torch.float32, torch.float64)
-            and k.dtype == q.dtype and v.dtype == q.dtype and v.shape[-1] == q.shape[-1]
-            and compose_cpu.available())
-
-
-def _unit_rows(*ts: Tensor) -> List[Tensor]:
-    """The tensors with unit stride along their last dim (copied only where it is not)."""
-    return [t if t.stride(-1) == 1 else t.contiguous() for t in ts]
-
-
-def _call_fused(name: str, tensors: List[Tensor], mask: Optional[Tensor],
-                mats: List[Optional[Tensor]], dims: Tuple[int, ...], scale: float,
-                grads: Sequence[Tensor] = (), mat_grads: Sequence[Optional[Tensor]] = ()) -> bool:
-    """Call ``dcvit_{name}``: the four (B, H, N, D) tensors (q, k, v and the output or the
-    incoming gradient; unit last stride, their (b, h, n) strides passed after them), the
-    contiguous gradients of q, k, v, the mask, the matrices and their gradients. False when
-    the kernel declines (too many heads)."""
-    strides = (ctypes.c_int64 * (3 * len(tensors)))(*[x for t in tensors for x in t.stride()[:3]])
-    ptr = compose_cpu.ptr
-    args = [*(ptr(t) for t in tensors), strides, *(ptr(t) for t in grads), *_mask_args(mask),
-            *(ptr(m) for m in mats), *(ptr(t) for t in mat_grads), *(ctypes.c_int64(d) for d in dims)]
-    return compose_cpu.function(name, tensors[0].dtype)(
-        *args, ctypes.c_double(scale), ctypes.c_int(torch.get_num_threads())) == 0
-
-
 def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
                         mask: Optional[Tensor], mq1: Optional[Tensor], mk1: Optional[Tensor],
                         mq2: Optional[Tensor], mk2: Optional[Tensor], impl: str,
                         scale: float) -> List[Optional[Tensor]]:
-    """Gradients of `_attention_forward` for q, k, v, mq1, mk1, mq2, mk2: the maps are
-    recomputed tile by tile, nothing was saved but the inputs."""
-    if v is not None:
-        grad = grad.transpose(1, 2)                             # of the (B, T, H, D) output
+    """Gradients of `_attention_forward` for q, k, v, mq1, mk1, mq2, mk2 (``grad`` of its
+    (B, H, T, D) view, or of the weights): the maps are recomputed tile by tile, nothing was
+    saved but the inputs."""
     cdt = _compute_dtype(q)
     B, H, T, _ = q.shape
     S = k.shape[2]
     mask = _mask_to(mask, (B, H, T, S), cdt)
     mats = _matrices_for(impl, (B, T, H), cdt, (mq1, mk1, mq2, mk2))
-    if _fused_cpp(impl, q, k, v):
-        grads = [q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape)]
-        dmats = [None if m is None else q.new_empty(B, T if i % 2 == 0 else S, H, H)
-                 for i, m in enumerate(mats)]
-        if _call_fused("attention_backward", _unit_rows(q, k, v, grad), mask, mats,
-                       (B, H, T, S, q.shape[-1]), scale, grads, dmats):
-            return [*grads, *(_reduce_to(d, m) for d, m in zip(dmats, (mq1, mk1, mq2, mk2)))]
     tiles = _core_tiles(q, S)
     whole = all(ts == slice(0, T) for _, ts in tiles)          # each batch element in one tile
     fmt = torch.contiguous_format                               # GEMMs write the grads in place
@@ -443,9 +383,13 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
     return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip(dmats.out, (mq1, mk1, mq2, mk2)))]
 
 
-# The core as torch.library custom ops: one opaque op in eager mode and inside torch.compile
-# (the compiled graph keeps the C++/Triton kernels instead of re-deriving the maths), with its
-# own backward op. Absent optional gradients travel as empty tensors.
+# ---------------------------------------------------------------------- the custom ops
+# The core as torch.library custom ops, dcvit::composed_attention and its backward
+# dcvit::composed_attention_backward: one opaque op in eager mode and inside torch.compile
+# (the compiled graph keeps the kernels instead of re-deriving the maths). The autograd and
+# fake-tensor rules below serve every device; each device may have its own kernel for a core
+# (`register_core`), the tiled driver above runs everything else. Absent optional gradients
+# travel as empty tensors.
 
 @torch.library.custom_op("dcvit::composed_attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
@@ -465,8 +409,8 @@ def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tenso
                            mask: Optional[Tensor], mq1: Optional[Tensor], mk1: Optional[Tensor],
                            mq2: Optional[Tensor], mk2: Optional[Tensor], impl: str,
                            scale: float) -> List[Tensor]:
-    grads = _attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale)
-    return [q.new_empty(0) if g is None else g for g in grads]
+    g = grad if v is None else grad.transpose(1, 2)             # of the (B, T, H, D) output
+    return _as_op_grads(_attention_backward(g, q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale), q)
 
 
 @_attention_backward_op.register_fake
@@ -474,6 +418,10 @@ def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale):
     fmt = torch.contiguous_format                                   # as the real op's
     return [q.new_empty(0) if t is None else torch.empty_like(t, memory_format=fmt)
             for t in (q, k, v, mq1, mk1, mq2, mk2)]
+
+
+def _as_op_grads(grads: Sequence[Optional[Tensor]], q: Tensor) -> List[Tensor]:
+    return [q.new_empty(0) if g is None else g for g in grads]
 
 
 def _attention_setup(ctx, inputs, output) -> None:
@@ -491,9 +439,66 @@ def _attention_grad(ctx, grad: Tensor):
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
 
+CoreForward = Callable[..., Optional[Tensor]]
+CoreBackward = Callable[..., Optional[Sequence[Optional[Tensor]]]]
+
+
+def register_core(device: str, impl: str, forward: CoreForward, backward: CoreBackward) -> None:
+    """Make ``forward``/``backward`` the ``device`` kernels of the core ``impl`` (one per device).
+
+    ``forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)`` returns the (B, T, H, D) output, or
+    None to decline (the tiled driver then runs); ``backward(grad, q, k, v, mask, mq1, mk1,
+    mq2, mk2, scale)``, with ``grad`` of the output's (B, H, T, D) view, returns ``[dq, dk,
+    dv, dmq1, dmk1, dmq2, dmk2]`` (matrix gradients at (B, T, H, H) / (B, S, H, H), summed
+    here to broadcast inputs' shapes; None for absent inputs), or None to decline. Arguments
+    as `composed_attention`'s: q, k, v (B, H, N, D) on any strides, v None when the weights
+    themselves are wanted, mask additive and broadcastable, matrices in any float dtype.
+    The custom ops' autograd and fake rules are shared: a kernel registered here is used
+    in eager mode, under autograd and inside ``torch.compile`` alike.
+    """
+    def forward_kernel(q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale):
+        out = forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) if impl_ == impl else None
+        return out if out is not None else _attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale)
+
+    def backward_kernel(grad, q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale):
+        g = grad if v is None else grad.transpose(1, 2)
+        grads = backward(g, q, k, v, mask, mq1, mk1, mq2, mk2, scale) if impl_ == impl else None
+        if grads is None:
+            grads = _attention_backward(g, q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale)
+        else:
+            grads = [*grads[:3], *(_reduce_to(d, m) for d, m in zip(grads[3:], (mq1, mk1, mq2, mk2)))]
+        return _as_op_grads(grads, q)
+
+    _attention_op.register_kernel(device)(forward_kernel)
+    _attention_backward_op.register_kernel(device)(backward_kernel)
+
+
+def _cpp_takes(q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
+    """Whether the C++ kernel runs the whole core (products included): float32/float64
+    operands of one dtype, with values, at most `compose_cpu.MAX_HEADS` heads."""
+    return (v is not None and q.dtype in (torch.float32, torch.float64) and k.dtype == q.dtype
+            and v.dtype == q.dtype and v.shape[-1] == q.shape[-1]
+            and q.shape[1] <= compose_cpu.MAX_HEADS and compose_cpu.available())
+
+
+def _cpp_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Optional[Tensor]:
+    if not _cpp_takes(q, k, v):
+        return None
+    return torch.ops.dcvit_cpu.attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+
+
+def _cpp_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Optional[List[Optional[Tensor]]]:
+    if not _cpp_takes(q, k, v):
+        return None
+    grads = torch.ops.dcvit_cpu.attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+    return [None if t is None else g for g, t in zip(grads, (q, k, v, mq1, mk1, mq2, mk2))]
+
+
+register_core("cpu", "cpp", _cpp_forward, _cpp_backward)
+
 
 def _matrices_for(impl: str, btH: Tuple[int, int, int], dtype: torch.dtype,
-              mats: Tuple[Optional[Tensor], ...]) -> List[Optional[Tensor]]:
+                  mats: Tuple[Optional[Tensor], ...]) -> List[Optional[Tensor]]:
     """The four matrices in the compute dtype; for the C++ kernel also expanded and
     contiguous once, so that every tile is a contiguous slice."""
     out = [_cast(m, dtype) for m in mats]

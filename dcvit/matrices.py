@@ -14,7 +14,6 @@ the attention core. A layer builds all its dynamic slots at once from the raw pr
 ``dcvit::slot_matrices``) and takes each stage's pair with `stage_matrices`; `mix` and
 `mix_fusable` apply a pair to a (B, H, T, S) map. `dcvit.fused` runs the attention core on them.
 """
-import ctypes
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
@@ -111,38 +110,23 @@ def rms_normalize(w1: Tensor, eps: float = RMS_EPS) -> Tensor:
     return w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
-# The one-pass matrix builder of the C++ kernel as custom ops (forward and backward), so that
+# The one-pass matrix builder of the C++ kernels as custom ops (forward and backward), so that
 # torch.compile keeps it as one node too.
 
 @torch.library.custom_op("dcvit::slot_matrices", mutates_args=())
-def _slots_op(w: Tensor, dd: Optional[Tensor], ident: Tensor) -> Tensor:
-    B, N, G, R2, H = w.shape
-    m = w.new_empty(B, N, G, H, H)
-    compose_cpu.function("slots_forward", w.dtype)(
-        compose_cpu.ptr(w), compose_cpu.ptr(dd), compose_cpu.ptr(ident), compose_cpu.ptr(m),
-        ctypes.c_int64(B * N), ctypes.c_int64(G), ctypes.c_int64(R2 // 2), ctypes.c_int64(H),
-        ctypes.c_double(RMS_EPS), ctypes.c_int(torch.get_num_threads()))
-    return m
+def _slots_op(w: Tensor, dd: Optional[Tensor], identity_slots: List[int]) -> Tensor:
+    return torch.ops.dcvit_cpu.slot_matrices(w, dd, identity_slots, RMS_EPS)
 
 
 @_slots_op.register_fake
-def _(w, dd, ident):
+def _(w, dd, identity_slots):
     B, N, G, _, H = w.shape
     return w.new_empty(B, N, G, H, H)
 
 
 @torch.library.custom_op("dcvit::slot_matrices_backward", mutates_args=())
 def _slots_backward_op(w: Tensor, dm: Tensor, with_gate: bool) -> List[Tensor]:
-    B, N, G, R2, H = w.shape
-    dm = dm.contiguous()
-    dw = torch.empty_like(w)
-    ddd = w.new_empty(B, N, G, H) if with_gate else w.new_empty(0)
-    compose_cpu.function("slots_backward", w.dtype)(
-        compose_cpu.ptr(w), compose_cpu.ptr(dm), compose_cpu.ptr(dw),
-        compose_cpu.ptr(ddd if with_gate else None), ctypes.c_int64(B * N), ctypes.c_int64(G),
-        ctypes.c_int64(R2 // 2), ctypes.c_int64(H), ctypes.c_double(RMS_EPS),
-        ctypes.c_int(torch.get_num_threads()))
-    return [dw, ddd]
+    return torch.ops.dcvit_cpu.slot_matrices_backward(w, dm, with_gate, RMS_EPS)
 
 
 @_slots_backward_op.register_fake
@@ -176,10 +160,8 @@ def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slo
     on tiny tensors).
     """
     if w.device.type == "cpu" and dtype in (torch.float32, torch.float64) and compose_cpu.available():
-        G = w.shape[2]
-        ident = torch.tensor([1 if g in identity_slots else 0 for g in range(G)], dtype=torch.int64)
         return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(),
-                         ident)
+                         list(identity_slots))
     w1, w2 = w.split(w.shape[-2] // 2, dim=-2)
     return slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)
 

@@ -315,9 +315,7 @@ def test_fused_cpp_core_equals_torch_core(monkeypatch, B, H, N, D, threads):
     mask = torch.where(torch.rand(B, 1, N, N, generator=g) > 0.2, 0.0, float("-inf")).double()
     mask[..., 0] = 0.0
     up = torch.randn(B, N, H * D, generator=g, dtype=torch.float64)
-    calls, ran = [], []
-    call_fused = fused._call_fused
-    monkeypatch.setattr(fused, "_call_fused", lambda name, *a: ran.append((name, call_fused(name, *a))) or ran[-1][1])
+    calls, ran = [], {}
     results = {}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -325,14 +323,16 @@ def test_fused_cpp_core_equals_torch_core(monkeypatch, B, H, N, D, threads):
         for impl in ("cpp", "torch"):
             leaves = [qkv.clone().requires_grad_(), *(m.clone().requires_grad_() for m in mats)]
             q, k, v = leaves[0].permute(2, 0, 3, 1, 4).unbind(0)
-            out = fused.composed_attention(q, k, v, mask, ComposeMatrices(*leaves[1:]), impl, 0.4)
-            calls.append(out.transpose(1, 2).is_contiguous())
-            merged = out.transpose(1, 2).reshape(B, N, H * D)
-            results[impl] = (out, *torch.autograd.grad(merged, leaves, up))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+                out = fused.composed_attention(q, k, v, mask, ComposeMatrices(*leaves[1:]), impl, 0.4)
+                calls.append(out.transpose(1, 2).is_contiguous())
+                merged = out.transpose(1, 2).reshape(B, N, H * D)
+                results[impl] = (out, *torch.autograd.grad(merged, leaves, up))
+            ran[impl] = sorted({e.name for e in prof.events() if e.name.startswith("dcvit_cpu::")})
     finally:
         torch.set_num_threads(previous)
     assert calls == [True, True]                    # heads merge without a copy on both paths
-    assert ran == [("attention_forward", True), ("attention_backward", True)]
+    assert ran == {"cpp": ["dcvit_cpu::attention_backward", "dcvit_cpu::attention_forward"], "torch": []}
     for a, b in zip(results["cpp"], results["torch"]):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
@@ -376,16 +376,74 @@ def test_auto_dispatch_and_forcing():
         layer(x)
 
 
+def test_register_core_plugs_a_device_kernel_into_the_ops():
+    """A core's kernels registered for a device (as a CUDA kernel would be) run under the
+    custom ops' shared autograd; declining (None) falls back to the tiled driver."""
+    calls = []
+
+    def forward(*args):
+        calls.append("forward")
+        return fused._cpp_forward(*args) if HAS_CPP else None
+
+    def backward(*args):
+        calls.append("backward")
+        return None                                                   # declines: tiled driver
+
+    layer = _layer()
+    x = torch.randn(2, 7, 24, dtype=torch.float64)
+    ref = _run(layer, x, "reference")
+    fused.register_core("cpu", "cpp", forward, backward)
+    try:
+        out = _run(layer, x, "cpp")
+    finally:
+        fused.register_core("cpu", "cpp", fused._cpp_forward, fused._cpp_backward)
+    if HAS_CPP:
+        assert calls == ["forward", "backward"]
+    _assert_same(ref, out, atol=1e-10)
+
+
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(compose_cpu, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("DCVIT_KERNEL_CACHE", str(tmp_path / "cache"))
     with pytest.warns(RuntimeWarning, match="could not be built"):
-        assert compose_cpu.load() is None
+        assert compose_cpu.load() is False
     assert fused.select_impl("auto", torch.zeros(1, 5, 24), False) == "torch"
     layer = _layer(dtype=torch.float64)
     x = torch.randn(1, 5, 24, dtype=torch.float64)
     _assert_same(_run(layer, x, "reference"), _run(layer, x, "auto"), atol=1e-10)
+
+
+def test_kernel_switch_off(monkeypatch, recwarn):
+    monkeypatch.setattr(compose_cpu, "_state", {})
+    monkeypatch.setenv("DCVIT_NO_CPP_KERNEL", "1")
+    assert compose_cpu.load() is False
+    assert not [w for w in recwarn if "could not be built" in str(w.message)]   # asked for: no warning
+
+
+def test_kernel_cache_is_private_and_refuses_a_foreign_library(monkeypatch, tmp_path):
+    """The cache directory is made 0700 (also when it existed wider), and a library file
+    there that another user owns is refused, not loaded and not touched."""
+    monkeypatch.setattr(compose_cpu, "_state", {})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.chmod(cache, 0o755)
+    monkeypatch.setenv("DCVIT_KERNEL_CACHE", str(cache))
+    foreign = []
+    for openmp in (True, False):
+        build = cache / compose_cpu._library_name(openmp)
+        build.mkdir(mode=0o700)
+        (build / (build.name + ".so")).write_bytes(b"not a library")
+        foreign.append(str(build / (build.name + ".so")))
+    owner = compose_cpu._owner
+    monkeypatch.setattr(compose_cpu, "_owner", lambda p: os.getuid() + 1 if p in foreign else owner(p))
+    with pytest.warns(RuntimeWarning, match="refusing .*owned by uid"):
+        assert compose_cpu.load() is False
+    assert (os.stat(cache).st_mode & 0o777) == 0o700
+    assert all(open(p, "rb").read() == b"not a library" for p in foreign)
+    fresh = tmp_path / "fresh"
+    assert compose_cpu._private_dir(str(fresh)) == str(fresh)
+    assert (os.stat(fresh).st_mode & 0o777) == 0o700
 
 
 def test_attention_maps_use_reference_core():
