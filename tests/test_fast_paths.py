@@ -17,7 +17,7 @@ from dcvit.fused import attention_impl
 from dcvit.matrices import ComposeMatrices, mix
 from dcvit.kernels import compose_cpu
 
-HAS_CPP = compose_cpu.load() is not None
+HAS_CPP = compose_cpu.load()
 FAST_IMPLS = ["torch", "compile"] + (["cpp"] if HAS_CPP else [])
 
 OPTIONS = [
