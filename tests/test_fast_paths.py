@@ -6,6 +6,8 @@ gradient of every parameter), against finite differences (gradcheck), and under 
 conditions the model meets in use: masks, causal attention, dropout, bf16 autocast,
 TorchScript, FX and torch.compile. The Triton core has its own file, tests/test_triton_core.py.
 """
+import os
+
 import pytest
 import timm
 import torch
