@@ -4,10 +4,10 @@ registered as torch operators in the namespace ``dcvit_cpu``.
 The sources are ``dcvit/kernels/csrc/*.{h,cpp}`` (shipped with the package). `load` JIT-builds
 them once per machine and source (``cpp_extension.load``, ninja, about a minute; a note goes
 to stderr meanwhile) into a private cache directory, ``$DCVIT_KERNEL_CACHE`` (default
-``~/.cache/dcvit``), created mode 0700; a library file there that the user does not own is
-refused. Built with ``-fopenmp`` when torch runs on GNU OpenMP, so that ``libgomp.so.1``
-resolves to torch's own copy and the kernels run on torch's worker threads; with plain
-threads otherwise. When no compiler (or ninja) is found, or the build fails, `load` warns
+``~/.cache/dcvit``, one subdirectory per variant and copy of the sources), created mode
+0700; a library file there that the user does not own is refused. Built with ``-fopenmp``
+when torch runs on GNU OpenMP, so that ``libgomp.so.1`` resolves to torch's own copy and the
+kernels run on torch's worker threads; with plain threads otherwise. When no compiler (or ninja) is found, or the build fails, `load` warns
 once and returns False, and `dcvit.fused` uses its pure-PyTorch path. Set
 ``DCVIT_NO_CPP_KERNEL=1`` to skip it.
 
@@ -29,6 +29,7 @@ block that is composed, soft-maxed and composed again in 32-byte vectors. Each C
 applies, per key s, the H×H map ``out[h, s] = sum_g in[g, s] * (mq[b, t, g, h] + mk[b, s, g, h])``.
 """
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -98,8 +99,11 @@ def _check_owned(path: str) -> None:
 
 
 def _library_name(openmp: bool) -> str:
-    """One build per threading and vector-flag variant."""
-    return "dcvit_cpu_" + ("omp" if openmp else "threads") + ("_avx2" if _cpu_flags() else "")
+    """One build (directory and library) per threading and vector-flag variant and per copy
+    of the sources: ninja rebuilds when a build's source paths change, so two checkouts
+    sharing the cache would otherwise rebuild each other's."""
+    where = hashlib.sha1(_CSRC.encode()).hexdigest()[:8]
+    return "dcvit_cpu_" + ("omp" if openmp else "threads") + ("_avx2" if _cpu_flags() else "") + "_" + where
 
 
 @contextlib.contextmanager
