@@ -4,7 +4,7 @@ registered as torch operators in the namespace ``dcvit_cpu``.
 The sources are ``dcvit/kernels/csrc/*.{h,cpp}`` (shipped with the package). `load` JIT-builds
 them once per machine and source (``cpp_extension.load``, ninja, about a minute; a note goes
 to stderr meanwhile) into a private cache directory, ``$DCVIT_KERNEL_CACHE`` (default
-``~/.cache/dcvit``, one subdirectory per variant and copy of the sources), created mode
+``~/.cache/dcvit``, one subdirectory per variant and source text), created mode
 0700; a library file there that the user does not own is refused. Built with ``-fopenmp``
 when torch runs on GNU OpenMP, so that ``libgomp.so.1`` resolves to torch's own copy and the
 kernels run on torch's worker threads; with plain threads otherwise. When no compiler (or ninja) is found, or the build fails, `load` warns
@@ -36,16 +36,16 @@ import shutil
 import stat
 import sys
 import warnings
+from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
 import torch
 
-__all__ = ["load", "available", "MAX_HEADS", "SOURCES"]
+__all__ = ["load", "available", "MAX_HEADS"]
 
 MAX_HEADS = 64   # kMaxHeads of csrc/rows.h: more heads run the PyTorch rows
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-SOURCES = [os.path.join(_CSRC, "compose_cpu.cpp")]
 
 _state: Dict[str, Any] = {}
 
@@ -98,12 +98,30 @@ def _check_owned(path: str) -> None:
                            "delete it or set DCVIT_KERNEL_CACHE to a directory of your own")
 
 
+def _source_files() -> Dict[str, bytes]:
+    return {f: Path(_CSRC, f).read_bytes() for f in sorted(os.listdir(_CSRC))
+            if f.endswith((".h", ".cpp"))}
+
+
 def _library_name(openmp: bool) -> str:
-    """One build (directory and library) per threading and vector-flag variant and per copy
-    of the sources: ninja rebuilds when a build's source paths change, so two checkouts
-    sharing the cache would otherwise rebuild each other's."""
-    where = hashlib.sha1(_CSRC.encode()).hexdigest()[:8]
-    return "dcvit_cpu_" + ("omp" if openmp else "threads") + ("_avx2" if _cpu_flags() else "") + "_" + where
+    """One build (directory and library) per threading and vector-flag variant and per source
+    text: checkouts with the same sources share it."""
+    text = hashlib.sha1(b"".join(n.encode() + b"\0" + d for n, d in _source_files().items()))
+    return ("dcvit_cpu_" + ("omp" if openmp else "threads") + ("_avx2" if _cpu_flags() else "")
+            + "_" + text.hexdigest()[:10])
+
+
+def _sources_in(build_dir: str) -> str:
+    """The sources copied into ``build_dir/src`` (written only when their text differs), so
+    that ninja sees one stable path whichever checkout asks."""
+    src = _private_dir(os.path.join(build_dir, "src"))
+    for name, data in _source_files().items():
+        path = os.path.join(src, name)
+        if not os.path.exists(path) or Path(path).read_bytes() != data:
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(path + ".tmp", path)
+    return src
 
 
 @contextlib.contextmanager
@@ -136,13 +154,13 @@ def _build_and_load(openmp: bool) -> None:
     build_dir = _private_dir(os.path.join(_private_dir(cache_dir()), name))
     library = os.path.join(build_dir, name + ".so")
     _check_owned(library)
-    inputs = SOURCES + [os.path.join(_CSRC, f) for f in os.listdir(_CSRC) if f.endswith(".h")]
-    if not os.path.exists(library) or os.path.getmtime(library) < max(map(os.path.getmtime, inputs)):
+    if not os.path.exists(library):
         sys.stderr.write(f"dcvit: building the C++ attention kernels into {build_dir} "
                          "(once per machine and source, about a minute)\n")
+    src = _sources_in(build_dir)
     cflags = ["-O3", "-fno-trapping-math", "-fopenmp" if openmp else "-fopenmp-simd", "-pthread"] + _cpu_flags()
     with _ninja_on_path():
-        cpp_extension.load(name=name, sources=SOURCES, extra_include_paths=[_CSRC],
+        cpp_extension.load(name=name, sources=[os.path.join(src, "compose_cpu.cpp")], extra_include_paths=[src],
                            extra_cflags=cflags, extra_ldflags=["-fopenmp"] if openmp else ["-pthread"],
                            build_directory=build_dir, is_python_module=False, verbose=False)
 

@@ -1,0 +1,62 @@
+"""Time DCMHA's attention core alone, robust to a busy machine: one thread,
+``time.process_time``, the minimum over many repeats.
+
+q, k, v are views of one (B, N, 3, H, D) projection (as in the layer), both Compose stages
+have query- and key-wise matrices; the core runs through its custom op,
+``dcvit::composed_attention``. Usage::
+
+    python scripts/bench_core.py [--impl cpp] [--repeats 15] [-B 16] [-N 197] [--heads 6] [-D 64]
+"""
+import argparse
+import json
+import time
+
+import torch
+
+import dcvit  # noqa: F401  (registers the dcvit:: custom ops)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--impl", default="cpp", help="the core: cpp or torch")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("-B", type=int, default=16)
+    p.add_argument("-N", type=int, default=197)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("-D", type=int, default=64)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    B, N, H, D = args.B, args.N, args.heads, args.D
+    qkv = torch.randn(B, N, 3, H, D, generator=g).requires_grad_()
+    eye = torch.eye(H)
+    mats = [(torch.randn(B, N, H, H, generator=g) * 0.1 + (eye if i % 2 == 0 else 0)).requires_grad_()
+            for i in range(4)]                                          # mq1, mk1, mq2, mk2
+    up = torch.randn(B, N, H, D, generator=g)
+
+    def forward():
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                  # (B, H, N, D) views
+        return torch.ops.dcvit.composed_attention(q, k, v, None, *mats, args.impl, D ** -0.5)
+
+    def forward_backward():
+        torch.autograd.grad(forward(), [qkv, *mats], up)
+
+    def best(fn) -> float:
+        fn()
+        fn()
+        times = []
+        for _ in range(args.repeats):
+            t = time.process_time()
+            fn()
+            times.append(time.process_time() - t)
+        return round(min(times) * 1e3, 2)
+
+    with torch.no_grad():
+        fwd = best(forward)
+    print(json.dumps({"impl": args.impl, "shape": dict(B=B, N=N, H=H, D=D), "threads": 1,
+                      "forward_ms": fwd, "forward_backward_ms": best(forward_backward)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
