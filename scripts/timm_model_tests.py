@@ -70,11 +70,21 @@ def _extend_list(text: str, name: str, entries: list) -> str:
     return text.replace(anchor, anchor + " " + " ".join(f"{e!r}," for e in entries), 1)
 
 
+def _registry_modules() -> list:
+    """The timm registry's module names of dcvit's models (the last part of each module path)."""
+    code = ("import sys; sys.path[:0] = sys.argv[1:]; import timm_model_tests_conftest as c; "
+            "from timm.models._registry import _model_to_module as m; "
+            "print(' '.join(sorted({m[n] for n in c.dcvit_models()})))")
+    out = subprocess.run([sys.executable, "-c", code, str(HERE), str(HERE.parent)], check=True,
+                         capture_output=True, text=True)
+    return out.stdout.split()
+
+
 def prepare(tree: Path, workdir: Path) -> Path:
     """Copy timm's test_models.py (lists extended) and the selecting conftest into workdir."""
     text = (tree / "tests" / "test_models.py").read_text()
     text = _extend_list(text, "NON_STD_FILTERS", ["dcvit*"])
-    text = _extend_list(text, "FEAT_INTER_FILTERS", ["models"])    # dcvit.models' registry module
+    text = _extend_list(text, "FEAT_INTER_FILTERS", _registry_modules())
     (workdir / "test_models.py").write_text(text)
     shutil.copy(HERE / "timm_model_tests_conftest.py", workdir / "conftest.py")
     return workdir / "test_models.py"
@@ -98,7 +108,9 @@ def main(argv=None) -> int:
         work = tmp / "run"
         work.mkdir()
         test_file = prepare(tree, work)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        # timm's own knob for its per-test time limits (120-360 s by default): on a loaded
+        # machine the large models take longer, and time is not what these tests check.
+        env = dict(os.environ, TIMEOUT=os.environ.get("TIMEOUT", "3600"), PYTHONPATH=os.pathsep.join(
             [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
         cmd = [sys.executable, "-m", "pytest", str(test_file), "-p", "no:cacheprovider",
                "--rootdir", str(work), "-c", os.devnull, *pytest_args]
