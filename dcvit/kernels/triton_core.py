@@ -34,7 +34,8 @@ Stage = Tuple[Optional[Tensor], Optional[Tensor]]
 
 try:
     import triton
-except Exception:  # noqa: BLE001  (triton missing or broken: `available()` says so)
+    triton.knobs  # noqa: B018  (the kernels' Triton API; older Triton, e.g. torch 2.4's 3.0, lacks it)
+except Exception:  # noqa: BLE001  (triton missing, broken or too old: `available()` says so)
     triton = None
 
 
