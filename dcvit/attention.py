@@ -386,7 +386,8 @@ class DCMHA(nn.Module):
         mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)               # additive or None
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.autocast(q.device.type, enabled=False):
-            identity = self.slots.query_slots
+            # (the slots' fields, not ComposeSlots' properties: torch < 2.5's dynamo cannot call those)
+            identity = [g for g in (self.slots.pre_q, self.slots.post_q) if g is not None]
             if w is not None:
                 m = slot_matrices_from_projections(w, dd, identity, dtype)       # (B, N, G, H, H)
             else:
@@ -408,7 +409,9 @@ class DCMHA(nn.Module):
                   dtype: torch.dtype, device: torch.device) -> Tuple[Optional[Tensor], Optional[Tensor]]:
         if stage is None:
             return None, None
-        return stage_matrices(slots, *self.slots.stage(name), stage.static, self.num_heads, dtype, device)
+        q_slot, k_slot = ((self.slots.pre_q, self.slots.pre_k) if name == "pre"
+                          else (self.slots.post_q, self.slots.post_k))        # as ComposeSlots.stage
+        return stage_matrices(slots, q_slot, k_slot, stage.static, self.num_heads, dtype, device)
 
     @torch.jit.unused
     def as_mha(self) -> Attention:

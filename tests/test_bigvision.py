@@ -3,7 +3,6 @@
 The fixtures under tests/fixtures/ were made by tests/fixtures/make_bigvision_fixture.py,
 which runs the authors' own model code (github Lisennlp/big_vision); no jax is needed here.
 """
-import importlib.util
 import math
 import shutil
 from pathlib import Path
@@ -19,7 +18,7 @@ from dcvit.attention import DCMHA
 from dcvit.bigvision import BigVisionViT, posemb_sincos_2d
 from dcvit.bigvision_npz import load_bigvision_npz, read_npz
 from dcvit.fused import attention_impl
-from dcvit.kernels import compose_cpu
+from dcvit.kernels import compose_cpu, triton_core
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_SIZE = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0,
@@ -27,7 +26,7 @@ FIXTURE_SIZE = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=
 SMALL = dict(img_size=32, depth=2)
 # Every attention core that runs here (Triton in its interpreter without CUDA, see conftest.py).
 CPU_CORES = (["reference", "torch", "compile"] + (["cpp"] if compose_cpu.available() else [])
-             + (["triton"] if importlib.util.find_spec("triton") is not None else []))
+             + (["triton"] if triton_core.available() else []))
 BV = ["vit_tiny_patch16_bv_224", "vit_small_patch16_bv_224", "vit_medium_patch16_bv_224",
       "vit_base_patch16_bv_224"]
 DCBV = ["dc" + name for name in BV]

@@ -120,14 +120,15 @@ def test_torchscript_scripting_and_tracing_match_eager():
 
 # --------------------------------------------------------------------------- export
 
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"),
+                    reason="torch.export of a DCViT needs torch >= 2.5 (2.4's exporter rejects the fast core's autocast block)")
 def test_torch_export_reruns_and_matches():
     model = _model(rank=1, dcmha_layers=[1]).eval()
     x = torch.randn(2, 3, 32, 32)
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(model, (x,), dynamic_shapes=({0: batch},))
     targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
-    if hasattr(torch.compiler, "is_exporting"):                  # torch >= 2.5
-        assert not any("dcvit" in t for t in targets), targets   # standard ops only
+    assert not any("dcvit" in t for t in targets), targets       # standard ops only
     with torch.no_grad():
         for b in (2, 5):
             xb = torch.randn(b, 3, 32, 32)
