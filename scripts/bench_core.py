@@ -13,7 +13,7 @@ import time
 
 import torch
 
-import dcvit  # noqa: F401  (registers the dcvit:: custom ops)
+import dcvit.fused  # noqa: F401  (registers the dcvit:: custom ops)
 
 
 def main(argv=None) -> int:
