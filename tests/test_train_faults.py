@@ -25,13 +25,6 @@ TINY = ["model=vit_tiny_patch16_224",
         "aug.mixup=0", "aug.cutmix=0"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def _shards(root, n_train=48, n_val=30, per_shard=16, labels=None):
     """Train and val shards of digits with `<split>.json` metadata, as make_wds_shards writes."""
     x, y = digits(n_train + n_val)

@@ -13,8 +13,6 @@ from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_ch
 from train_imagenet.config import load_config
 from train_imagenet.finetune import param_group_fn
 
-from train_helpers import digits, write_shards
-
 KWARGS = "model_kwargs={img_size: 32, patch_size: 8, depth: 2, embed_dim: 24, num_heads: 2}"
 TINY = ["model=vit_tiny_patch16_224", KWARGS,
         "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
@@ -25,20 +23,9 @@ CONVERT = ["convert.enabled=true", "convert.lr_mult=10", "convert.weight_decay=0
            "convert.options={rank: 1}"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("digits"))
-    x, y = digits(112)
-    write_shards(root, "train", x[:80], y[:80], 40)
-    write_shards(root, "val", x[80:], y[80:], 32)
-    return root
+def data(digits_shards):
+    return digits_shards(n_train=80, n_val=32, train_per_shard=40, val_per_shard=32).root
 
 
 @pytest.fixture(scope="module")

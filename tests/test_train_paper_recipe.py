@@ -10,8 +10,6 @@ from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.config import ConfigError, load_config
 from train_imagenet.mixup import RollMixup
 
-from train_helpers import digits, write_shards
-
 TINY_BV = ["model=dcvit_tiny_patch16_bv_224",
            "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
            "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
@@ -21,13 +19,6 @@ TINY_BV = ["model=dcvit_tiny_patch16_bv_224",
            "sched.warmup_steps=3", "sched.warmup_prefix=true", "sched.min_lr=0", "sched.warmup_lr=0",
            "aug.mixup=0", "aug.cutmix=0", "aug.bv_mixup=0.2", "aug.smoothing=0", "aug.reprob=0",
            "epochs=2", "eval_epochs=[1,2]", "threads=1", "drop_path=0"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 def test_roll_mixup_is_big_visions_formula():
@@ -70,11 +61,8 @@ def test_paper_configs_load_and_say_300_epochs():
         assert cfg.data.mean == [0.5, 0.5, 0.5] and cfg.data.std == [0.5, 0.5, 0.5]
 
 
-def test_a_paper_recipe_run_writes_the_epoch_evaluations(tmp_path):
-    root = str(tmp_path / "digits")
-    x, y = digits(149)
-    write_shards(root, "train", x[:96], y[:96], 24)
-    write_shards(root, "val", x[96:], y[96:], 20)
+def test_a_paper_recipe_run_writes_the_epoch_evaluations(tmp_path, digits_shards):
+    root = digits_shards().root                             # 96 train, 53 val samples
     out = tmp_path / "run"
     assert main([f"data.train={root}", f"data.val={root}", f"output_dir={out}", *TINY_BV]) == 0
     e1 = json.loads((out / "eval-e0001.json").read_text())

@@ -15,8 +15,6 @@ from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.distributed import DistInfo
 
-from train_helpers import digits, write_shards
-
 TINY = ["model=vit_tiny_patch16_224",
         "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
         "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
@@ -25,25 +23,13 @@ TINY = ["model=vit_tiny_patch16_224",
         "threads=1"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("digits"))
-    x, y = digits(149)
-    write_shards(root, "train", x[:96], y[:96], 24)      # 4 shards
-    write_shards(root, "val", x[96:], y[96:], 20)        # 53 samples: 20, 20, 13
-    return root, x[96:], y[96:]
+def data(digits_shards):
+    return digits_shards()        # 96 train samples in 4 shards; 53 val samples: 20, 20, 13
 
 
 def _run(data, out, *extra):
-    root = data[0]
-    return main([f"data.train={root}", f"data.val={root}", f"output_dir={out}", *TINY, *extra])
+    return main([f"data.train={data.root}", f"data.val={data.root}", f"output_dir={out}", *TINY, *extra])
 
 
 def _json(path):
@@ -53,7 +39,7 @@ def _json(path):
 
 def test_eval_equals_hand_count(data, tmp_path):
     """eval.json's top-1/top-5 equal a count by hand over every val image (uneven last batch)."""
-    root, x_val, y_val = data
+    x_val, y_val = data.x_val, data.y_val
     assert _run(data, tmp_path / "run", "epochs=1", "aug.no_aug=true", "aug.mixup=0",
                 "aug.cutmix=0", "batch_size=8") == 0
     ckpt = list_checkpoints(str(tmp_path / "run"))[-1]
@@ -204,18 +190,18 @@ def test_start_from_weights_files(data, tmp_path, capsys):
     initialisation); weights of another size fail with a clear error, before training."""
     import dcvit
     torch.manual_seed(1)
-    vit = entry_mod.build_model(_tiny_cfg(data[0], "vit_tiny_patch16_224"))
+    vit = entry_mod.build_model(_tiny_cfg(data.root, "vit_tiny_patch16_224"))
     st, pth = tmp_path / "vit.safetensors", tmp_path / "vit.pth"
     dcvit.save_weights(vit, st)
     torch.save(vit.state_dict(), pth)
     source = vit.state_dict()
 
-    cfg = _tiny_cfg(data[0], "vit_tiny_patch16_224")
+    cfg = _tiny_cfg(data.root, "vit_tiny_patch16_224")
     model = entry_mod.build_model(cfg)
     assert load_start_weights(model, str(st), cfg) is None
     assert all(torch.equal(v, source[k]) for k, v in model.state_dict().items())
 
-    cfg = _tiny_cfg(data[0], "dcvit_tiny")
+    cfg = _tiny_cfg(data.root, "dcvit_tiny")
     model = entry_mod.build_model(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     load_start_weights(model, str(pth), cfg)
@@ -224,7 +210,7 @@ def test_start_from_weights_files(data, tmp_path, capsys):
     assert dcmha and all(torch.equal(after[k], before[k]) for k in dcmha)
     assert all(torch.equal(after[k], source[k]) for k in source)
 
-    big = _tiny_cfg(data[0], "dcvit_tiny", embed_dim=48)
+    big = _tiny_cfg(data.root, "dcvit_tiny", embed_dim=48)
     with pytest.raises(entry_mod.CheckpointError, match="another size"):
         load_start_weights(entry_mod.build_model(big), str(st), big)
 
@@ -245,8 +231,7 @@ def test_the_model_does_not_write_into_the_config(data, tmp_path, monkeypatch):
     seen = []
     real_build = entry.build_data
     monkeypatch.setattr(entry, "build_data", lambda *a, **k: seen.append(a[-1]) or real_build(*a, **k))
-    root = data[0]
-    cfg = load_config(None, [f"data.train={root}", f"data.val={root}", f"output_dir={tmp_path / 'r'}",
+    cfg = load_config(None, [f"data.train={data.root}", f"data.val={data.root}", f"output_dir={tmp_path / 'r'}",
                              *TINY, "epochs=1", "aug.mixup=0", "aug.cutmix=0"])
     assert entry.run(cfg) == 0
     assert cfg.data.mean is None and cfg.data.std is None

@@ -2,13 +2,11 @@
 as WebDataset shards (with webdataset.TarWriter) or as an ImageFolder."""
 import io
 import os
+from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
-
-TINY_VIT = ("model_kwargs={img_size: 32, patch_size: 8, depth: 2, embed_dim: 48, num_heads: 3}")
-
 
 def digits(n: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """(images uint8 (N, 32, 32, 3), labels (N,)) from sklearn's bundled 8x8 digits."""
@@ -54,12 +52,18 @@ def write_folder(out: str, images: np.ndarray, labels: Sequence[int]) -> str:
     return out
 
 
-def make_digits_shards(root: str, n_train: int = 256, n_val: int = 101,
-                       per_shard: int = 64) -> Tuple[str, str]:
-    """Train/val WebDataset shards of digits; returns the (train, val) brace patterns."""
-    x, y = digits()
-    write_shards(root, "train", x[:n_train], y[:n_train], per_shard)
-    write_shards(root, "val", x[n_train:n_train + n_val], y[n_train:n_train + n_val], per_shard)
-    n_tr, n_va = -(-n_train // per_shard), -(-n_val // per_shard)
-    return (os.path.join(root, f"train-{{000000..{n_tr - 1:06d}}}.tar"),
-            os.path.join(root, f"val-{{000000..{n_va - 1:06d}}}.tar"))
+@dataclass(frozen=True)
+class DigitsSplit:
+    """Shards written by `write_digits_split`: their directory and the val images and labels."""
+    root: str
+    x_val: np.ndarray
+    y_val: np.ndarray
+
+
+def write_digits_split(root: str, n_train: int, n_val: int, train_per_shard: int,
+                       val_per_shard: int) -> DigitsSplit:
+    """The first `n_train` digits as `root/train-*.tar`, the next `n_val` as `root/val-*.tar`."""
+    x, y = digits(n_train + n_val)
+    write_shards(root, "train", x[:n_train], y[:n_train], train_per_shard)
+    write_shards(root, "val", x[n_train:], y[n_train:], val_per_shard)
+    return DigitsSplit(root, x[n_train:], y[n_train:])
