@@ -144,6 +144,7 @@ def _onnx_export(model, x, path):
         torch.onnx.export(model, (x,), str(path), input_names=["x"], dynamic_axes={"x": {0: "batch"}})
 
 
+@pytest.mark.slow
 def test_onnx_export_runs_in_onnxruntime(tmp_path):
     import onnxruntime as ort
     model = _model().eval()

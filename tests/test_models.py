@@ -17,6 +17,9 @@ BASELINES = {"dcvit_tiny_patch16_224": ("vit_tiny_patch16_224", 5_717_416),
              "dcvit_medium_patch16_224": ("vit_medium_patch16_224", 38_837_736),
              "dcvit_base_patch16_224": ("vit_base_patch16_224", 86_567_656)}
 SMALL = dict(img_size=32)  # 2×2 patches + class token: the real widths at a tiny cost
+# The contract tests run tiny and small (the paper's model) by default, medium and base in the
+# slow tier: the four differ only in width, depth and head count.
+TIERED = [*VARIANTS[:2], *(pytest.param(name, marks=pytest.mark.slow) for name in VARIANTS[2:])]
 
 
 def n_params(model):
@@ -40,7 +43,7 @@ def test_dcvit_small_has_the_papers_parameter_count():
     assert n_params(model) / 22_050_664 == pytest.approx(1.026, abs=5e-4)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", TIERED)
 def test_parameter_counts_match_formula(name):
     base_name, base_count = BASELINES[name]
     base = timm.create_model(base_name)
@@ -94,7 +97,7 @@ def test_bad_options_are_explained(kwargs, error, pattern):
 
 # --- timm's model contract (timm/tests/test_models.py), for every variant ---------------------
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", TIERED)
 def test_forward_backward_reaches_every_parameter(name):
     model = timm.create_model(name, num_classes=42, **SMALL)
     out = model(torch.randn(2, 3, 32, 32))
@@ -107,7 +110,7 @@ def test_forward_backward_reaches_every_parameter(name):
     assert not zero, f"DCMHA parameters with an all-zero gradient: {zero}"
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", TIERED)
 def test_grad_checkpointing_leaves_output_unchanged(name):
     torch.manual_seed(0)
     model = timm.create_model(name, **SMALL).eval()
@@ -117,7 +120,7 @@ def test_grad_checkpointing_leaves_output_unchanged(name):
     torch.testing.assert_close(model(x), expected)
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", TIERED)
 def test_classifier_reset_and_features(name):
     model = timm.create_model(name, **SMALL).eval()
     x = torch.randn(1, 3, 32, 32)
@@ -140,7 +143,7 @@ def test_classifier_reset_and_features(name):
     torch.testing.assert_close(outs[-1], intermediates[-1])
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", TIERED)
 def test_torchscript(name):
     with set_scriptable(True):
         model = timm.create_model(name, **SMALL).eval()
@@ -149,7 +152,7 @@ def test_torchscript(name):
     torch.testing.assert_close(scripted(x), model(x))
 
 
-@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("name", TIERED)
 def test_fx_trace_equals_eager(name):
     model = timm.create_model(name, **SMALL).eval()
     _, eval_nodes = get_graph_node_names(model)

@@ -35,7 +35,8 @@ def test_the_library_registers_its_families():
     assert {"dcvit_tiny", "dcvit_base_patch16_224", "vit_medium_patch16_224"} <= set(LIBRARY_MODELS)
 
 
-@pytest.mark.parametrize("name", LIBRARY_MODELS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "base" in n else n
+                                  for n in LIBRARY_MODELS])      # the base widths in the slow tier
 def test_every_registered_model_pickles(name):
     model = timm.create_model(name, **SMALL).eval()
     x = torch.randn(2, 3, 32, 32)

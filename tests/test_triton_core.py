@@ -115,7 +115,7 @@ def _assert_matches(inputs, mask, mats, scale=0.35, atol=1e-5, rtol=1e-5):
 
 # ------------------------------------------------------------------------ float32 == formula
 
-@pytest.mark.parametrize("H", [1, 3, 6, 12, 16])
+@pytest.mark.parametrize("H", [1, 3, *(pytest.param(h, marks=pytest.mark.slow) for h in (6, 12, 16))])
 def test_all_stages_and_a_mask_any_head_count(H):
     """T ≠ S, neither a multiple of the 16-row blocks, several key blocks."""
     T, S = (19, 21) if H >= 12 else (19, 37)
