@@ -192,3 +192,38 @@ def test_all_corrupt_train_shards_fail_instead_of_hanging(tmp_path):
     cfg = _cfg(str(tmp_path), str(tmp_path))
     with pytest.raises(DataError, match="no readable sample"):
         _labels(build_data(cfg, "train"))
+
+
+def test_importing_data_leaves_timm_op_table_alone():
+    """The posterize fix is local to the transforms build_transform makes."""
+    import subprocess
+    import sys
+    code = ("from timm.data import auto_augment as aa; before = dict(aa.NAME_TO_OP); "
+            "import train_imagenet.data; "
+            "changed = [k for k, f in aa.NAME_TO_OP.items() if before[k] is not f]; "
+            "assert not changed and aa.NAME_TO_OP.keys() == before.keys(), changed")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ,
+                   "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+@pytest.mark.parametrize("policy", ["rand-m9-mstd0.5-inc1", "rand-m10-n2", "augmix-m5-w2",
+                                    "original"])
+def test_augmentation_posterize_keeps_zero_bits_as_black(shards, policy):
+    """Pillow >= 13 rejects ImageOps.posterize(img, 0); the posterize ops of the transform keep
+    0 bits as a black image, and timm's table still holds timm's own function."""
+    from PIL import Image
+    from timm.data import auto_augment
+    from train_imagenet.data import build_transform
+    root, _, _ = shards
+    cfg = _cfg(root, root, "aug.no_aug=false", f"aug.auto_augment={policy}")
+    transform = build_transform(cfg, training=True)
+    steps = transform.transforms
+    ops = [op for s in steps for op in list(getattr(s, "ops", []))
+           + [o for sub in getattr(s, "policy", []) for o in sub] if "Posterize" in op.name]
+    assert ops, f"{policy}: no posterize op found in {steps}"
+    img = Image.new("RGB", (4, 4), (200, 100, 50))
+    for op in ops:
+        out = op.aug_fn(img, 0)
+        assert out.size == img.size and out.getextrema() == ((0, 0),) * 3
+        assert op.aug_fn(img, 8) is img                               # timm's behaviour otherwise
+    assert auto_augment.NAME_TO_OP["Posterize"] is auto_augment.posterize

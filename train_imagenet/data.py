@@ -21,16 +21,18 @@ readable one (the shard stream cycles; an ImageFolder reads the next index), so 
 full and the per-rank count holds; a corrupt evaluation sample is dropped. Every sample carries
 the number of corrupt samples skipped just before it, so the trainer can count them.
 """
-import io
+import itertools
 import json
 import logging
 import os
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import braceexpand
 import torch
+import webdataset as wds
+from webdataset.autodecode import imagehandler
 from webdataset.tariterators import tarfile_samples
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -46,32 +48,6 @@ __all__ = ["DataError", "Source", "resolve_source", "is_remote", "count_samples"
            "ShardStream", "DataPipe", "build_data"]
 
 _logger = logging.getLogger(__name__)
-
-
-def _patch_posterize() -> None:
-    """Pillow >= 13 rejects ImageOps.posterize(img, 0), which timm's RandAugment asks for at
-    magnitude 10 ('rand-m9-mstd0.5' reaches it). Keeping 0 bits gives a black image, as older
-    Pillow did; the op table is patched only when this Pillow raises."""
-    from PIL import ImageOps
-    from timm.data import auto_augment
-    try:
-        ImageOps.posterize(Image.new("RGB", (1, 1)), 0)
-        return
-    except ValueError:
-        pass
-    original = auto_augment.posterize
-
-    def posterize(img, bits_to_keep, **kwargs):
-        if bits_to_keep <= 0:
-            return Image.new(img.mode, img.size)
-        return original(img, bits_to_keep, **kwargs)
-
-    for name, fn in list(auto_augment.NAME_TO_OP.items()):
-        if fn is original:
-            auto_augment.NAME_TO_OP[name] = posterize
-
-
-_patch_posterize()
 
 
 class DataError(ValueError):
@@ -192,29 +168,62 @@ def build_transform(cfg: Config, training: bool,
                   mean=tuple(mean), std=tuple(std), crop_pct=d.crop_pct)
     if not training or a.no_aug:
         return create_transform(is_training=False, **common)
-    return create_transform(is_training=True, scale=tuple(a.scale), hflip=a.hflip,
-                            color_jitter=a.color_jitter, auto_augment=a.auto_augment or None,
-                            re_prob=a.reprob, re_mode=a.remode, **common)
+    transform = create_transform(is_training=True, scale=tuple(a.scale), hflip=a.hflip,
+                                 color_jitter=a.color_jitter, auto_augment=a.auto_augment or None,
+                                 re_prob=a.reprob, re_mode=a.remode, **common)
+    return _zero_bit_posterize(transform)
+
+
+def _posterize(img: Image.Image, bits_to_keep: int, **kwargs: Any) -> Image.Image:
+    """timm's posterize, keeping 0 bits as a black image (as Pillow < 13 did)."""
+    from timm.data.auto_augment import posterize
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return posterize(img, bits_to_keep, **kwargs)
+
+
+def _zero_bit_posterize(transform: Callable) -> Callable:
+    """Pillow >= 13 rejects ImageOps.posterize(img, 0), which timm's RandAugment asks for at
+    magnitude 10 ('rand-m9-mstd0.5-inc1' reaches it). With such a Pillow, the posterize ops of
+    this transform's augmentations (RandAugment, AutoAugment, AugMix) keep 0 bits as a black
+    image instead; timm's own op table is left as it is."""
+    from PIL import ImageOps
+    from timm.data.auto_augment import posterize
+    try:
+        ImageOps.posterize(Image.new("RGB", (1, 1)), 0)
+        return transform
+    except ValueError:
+        pass
+    for step in getattr(transform, "transforms", [transform]):
+        ops = list(getattr(step, "ops", [])) + [op for sub in getattr(step, "policy", [])
+                                                 for op in sub]
+        for op in ops:
+            if getattr(op, "aug_fn", None) is posterize:
+                op.aug_fn = _posterize
+    return transform
 
 
 def _seed(*parts: int) -> random.Random:
     return random.Random("-".join(str(p) for p in parts))
 
 
+_IMAGE = imagehandler("pilrgb", extensions=IMAGE_EXTENSIONS)  # webdataset's PIL decoder, to RGB
+
+
 def _decode(sample: Dict[str, Any]) -> Tuple[Image.Image, int]:
-    img = next((sample[e] for e in IMAGE_EXTENSIONS if e in sample), None)
-    if img is None:
+    ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
+    if ext is None:
         raise ValueError(f"no image member ({'/'.join(IMAGE_EXTENSIONS)}) in sample")
     if "cls" not in sample:
         raise ValueError("no .cls member in sample")
     label = int(sample["cls"])
-    with Image.open(io.BytesIO(img)) as im:
-        return im.convert("RGB"), label
+    return _IMAGE(ext, sample[ext]), label
 
 
 def _read_tar(shard: str) -> Iterator[Dict[str, Any]]:
-    """Samples of one shard as {'__key__', ext: bytes} (WebDataset's tar reader; any URL
-    webdataset.gopen opens works, e.g. 'pipe:curl -s URL')."""
+    """Samples of one shard as {'__key__', ext: bytes} (WebDataset's tar reader, which splits
+    member names with `base_plus_ext`; any URL webdataset.gopen opens works, e.g.
+    'pipe:curl -s URL')."""
     try:
         yield from tarfile_samples([{"url": shard}])
     except DataError:
@@ -225,8 +234,58 @@ def _read_tar(shard: str) -> Iterator[Dict[str, Any]]:
                         f"it with scripts/make_wds_shards.py") from e
 
 
+def _samples(shards: Iterable[str]) -> Iterator[Dict[str, Any]]:
+    for shard in shards:
+        yield from _read_tar(shard)
+
+
+def _repeated(samples: Iterable[Dict[str, Any]], times: int) -> Iterator[Dict[str, Any]]:
+    for sample in samples:
+        for _ in range(times):
+            yield sample
+
+
+class _Decoded:
+    """The decoding stage: (image, label, skipped) from raw samples, one pass per call.
+
+    A corrupt sample fails (`on_corrupt='fail'`) or is skipped and counted in the next yielded
+    sample's `skipped` (the count carries over from one pass to the next). In training a pass
+    without one readable sample is an error: cycling would never fill the quota."""
+
+    def __init__(self, transform: Callable, on_corrupt: str, training: bool):
+        self.transform, self.on_corrupt, self.training = transform, on_corrupt, training
+        self.skipped = 0
+
+    def __call__(self, samples: Iterable[Dict[str, Any]]) -> Iterator[Tuple[Any, int, int]]:
+        good, bad_shards = 0, []
+        for sample in samples:
+            try:
+                img, label = _decode(sample)
+            except Exception as e:  # PIL raises many types for broken files
+                where = sample.get("__url__", "?")
+                if self.on_corrupt == "fail":
+                    raise DataError(f"corrupt sample {sample.get('__key__')!r} in {where!r}: {e} "
+                                    f"(set data.on_corrupt=skip to skip and count such samples)") from e
+                if where not in bad_shards:
+                    bad_shards.append(where)
+                self.skipped += 1
+                continue
+            good += 1
+            yield self.transform(img), label, self.skipped
+            self.skipped = 0
+        if self.training and good == 0:
+            raise DataError(f"no readable sample in a whole pass over this worker's shards "
+                            f"({self.skipped} corrupt, in {', '.join(map(repr, bad_shards[:3]))}"
+                            f"{' and more' if len(bad_shards) > 3 else ''}); re-write them "
+                            f"with scripts/make_wds_shards.py")
+
+
 class ShardStream(IterableDataset):
-    """A WebDataset-style stream of (image, label, skipped) from tar shards for one rank.
+    """A stream of (image, label, skipped) from tar shards for one rank, built in each
+    DataLoader worker as a `webdataset.DataPipeline`: this slot's shards, WebDataset's tar
+    reader, its shuffle buffer (seeded), its image decoder and, in training, its `with_epoch`
+    cut at this worker's quota (the pipeline is run again, on a reshuffled order, until the
+    quota is reached).
 
     `quota` (training) is the number of samples this rank yields per epoch; None (evaluation)
     yields this rank's share of every sample exactly once.
@@ -250,89 +309,50 @@ class ShardStream(IterableDataset):
 
     def __iter__(self) -> Iterator[Tuple[Any, int, int]]:
         wid, nw = self._worker()
-        if self.quota is None:  # evaluation: every sample once; corrupt ones are dropped
-            yield from self._decoded(self._eval_samples(wid, nw))
-            return
+        slot, nslots = self.rank * nw + wid, self.world_size * nw
+        if self.quota is None:
+            return iter(self._eval_pipeline(slot, nslots))
         quota = self._worker_quota(wid, nw)
         if quota == 0:
-            return
-        # the training stream is endless, so a corrupt sample is replaced by the next one and
-        # this worker yields exactly its quota (whole batches) whatever it skipped
-        for produced, item in enumerate(self._decoded(self._train_samples(wid, nw)), start=1):
-            yield item
-            if produced >= quota:
-                return
+            return iter(())
+        # the training pipeline is rerun until the quota is met, so a corrupt sample is replaced
+        # by the next one and this worker yields exactly its quota (whole batches)
+        return iter(self._train_pipeline(slot, nslots).with_epoch(quota))
 
     def _worker_quota(self, wid: int, nw: int) -> int:
         """This worker's share of the rank's batches, in samples (whole batches)."""
         batches = self.quota // self.batch_size
         return (batches // nw + (wid < batches % nw)) * self.batch_size
 
-    def _decoded(self, raw: Iterator[Optional[Dict[str, Any]]]) -> Iterator[Tuple[Any, int, int]]:
-        """(image, label, skipped) from raw samples; None in `raw` marks the end of a pass."""
-        skipped, good_in_pass, bad_shards = 0, 0, []
-        for sample in raw:
-            if sample is None:
-                if good_in_pass == 0:
-                    raise DataError(f"no readable sample in a whole pass over this worker's shards "
-                                    f"({skipped} corrupt, in {', '.join(map(repr, bad_shards[:3]))}"
-                                    f"{' and more' if len(bad_shards) > 3 else ''}); re-write them "
-                                    f"with scripts/make_wds_shards.py")
-                good_in_pass, bad_shards = 0, []
-                continue
-            try:
-                img, label = _decode(sample)
-            except Exception as e:  # PIL raises many types for broken files
-                where = sample.get("__url__", "?")
-                if self.on_corrupt == "fail":
-                    raise DataError(f"corrupt sample {sample.get('__key__')!r} in {where!r}: {e} "
-                                    f"(set data.on_corrupt=skip to skip and count such samples)") from e
-                if where not in bad_shards:
-                    bad_shards.append(where)
-                skipped += 1
-                continue
-            good_in_pass += 1
-            yield self.transform(img), label, skipped
-            skipped = 0
-
-    def _eval_samples(self, wid: int, nw: int) -> Iterator[Dict[str, Any]]:
-        slot, nslots = self.rank * nw + wid, self.world_size * nw
+    def _eval_pipeline(self, slot: int, nslots: int) -> wds.DataPipeline:
+        """Every sample once across all slots; corrupt ones are dropped (and counted)."""
+        decoded = _Decoded(self.transform, self.on_corrupt, training=False)
         if len(self.shards) >= nslots:  # whole shards per slot
-            for shard in self.shards[slot::nslots]:
-                yield from _read_tar(shard)
-            return
-        index = 0  # fewer shards than slots: every slot reads all, keeps every nslots-th sample
-        for shard in self.shards:
-            for sample in _read_tar(shard):
-                if index % nslots == slot:
-                    yield sample
-                index += 1
+            return wds.DataPipeline(lambda: iter(self.shards[slot::nslots]), _samples, decoded)
+        # fewer shards than slots: every slot reads all, keeps every nslots-th sample
+        return wds.DataPipeline(lambda: iter(self.shards), _samples,
+                                lambda samples: itertools.islice(samples, slot, None, nslots),
+                                decoded)
 
-    def _train_samples(self, wid: int, nw: int) -> Iterator[Optional[Dict[str, Any]]]:
-        """This slot's shards, reshuffled and cycled without end through the shuffle buffer;
-        None after each full pass (the buffer is drained there: no repeats inside a pass)."""
-        slot, nslots = self.rank * nw + wid, self.world_size * nw
+    def _train_pipeline(self, slot: int, nslots: int) -> wds.DataPipeline:
+        """This slot's shards in a new order each pass, through the shuffle buffer (drained at
+        the end of each pass: no repeats inside a pass)."""
         order = list(self.shards)
         _seed(self.seed, self.epoch).shuffle(order)  # same deal on every slot
         while len(order) < nslots:
             order += order
         mine = order[slot::nslots]
         rng = _seed(self.seed, self.epoch, slot)
-        buffer: List[Dict[str, Any]] = []
-        while True:
+
+        def one_pass() -> List[str]:
             rng.shuffle(mine)
-            for shard in mine:
-                for sample in _read_tar(shard):
-                    for _ in range(self.repeats):
-                        buffer.append(sample)
-                        if len(buffer) >= max(self.shuffle_buffer, 1):
-                            j = rng.randrange(len(buffer))
-                            buffer[j], buffer[-1] = buffer[-1], buffer[j]
-                            yield buffer.pop()
-            rng.shuffle(buffer)
-            while buffer:
-                yield buffer.pop()
-            yield None
+            return list(mine)
+
+        buffer = max(self.shuffle_buffer, 1)
+        return wds.DataPipeline(one_pass, _samples,
+                                lambda samples: _repeated(samples, self.repeats),
+                                wds.shuffle(buffer, initial=buffer, rng=rng),
+                                _Decoded(self.transform, self.on_corrupt, training=True))
 
 
 class FolderDataset(Dataset):
