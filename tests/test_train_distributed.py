@@ -150,3 +150,28 @@ def test_two_node_rendezvous_on_localhost(shards, reference, tmp_path):
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert _json(out / "eval.json")["top1"] == _json(reference / "eval.json")["top1"]
+
+
+def test_compiled_ddp_equals_eager_one_process(tmp_path):
+    """compile=true under torchrun: the model is compiled, then wrapped in DDP (timm's order);
+    two compiled processes with accumulation end where one eager process with the same global
+    batch ends, so DDP's gradient sync (and its skip on the first micro-batch) works through it."""
+    x, y = digits(80)
+    write_folder(str(tmp_path / "train"), x[:64], y[:64])
+    write_folder(str(tmp_path / "val"), x[64:], y[64:])
+    common = [f"data.train={tmp_path / 'train'}", f"data.val={tmp_path / 'val'}", *TINY,
+              "aug.no_aug=true", "aug.mixup=0", "aug.cutmix=0", "aug.smoothing=0", "drop_path=0",
+              "epochs=1", "data.num_workers=0", "accum_steps=2"]
+    out = _finish(_torchrun(["--standalone", "--nproc_per_node=2"],
+                            [*common, "batch_size=8", "compile=true", f"output_dir={tmp_path / 'ddp'}"]))
+    n = torch.get_num_threads()
+    try:
+        assert main([*common, "batch_size=16", f"output_dir={tmp_path / 'one'}"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    a, b = _final(tmp_path / "ddp"), _final(tmp_path / "one")
+    assert a["config"]["compile"] is True and b["config"]["compile"] is False, out[-2000:]
+    assert a["update"] == b["update"] == 2                       # 64 samples / (16 x 2)
+    diffs = [(a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]]
+    assert max(diffs) < 1e-4, max(diffs)
+    assert not any(k.startswith(("_orig_mod.", "module.")) for k in a["model"])  # plain names

@@ -51,12 +51,12 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
         seed_all(cfg.seed * 1000 + info.rank + 1 + start.epoch)
     recipe.scheduler.step_update(start.update)
 
-    train_model: torch.nn.Module = model
+    train_model: torch.nn.Module = model  # timm's order: compile the model, then wrap it in DDP
+    if cfg.compile:
+        train_model = torch.compile(model)
     if info.enabled:
         train_model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[info.local_rank] if device.type == "cuda" else None)
-    if cfg.compile:
-        train_model = torch.compile(train_model)
+            train_model, device_ids=[info.local_rank] if device.type == "cuda" else None)
 
     def save(epoch_: int, batch_: int, update_: int) -> str:
         rngs = all_gather_object(capture_rng())  # collective: every rank calls it
