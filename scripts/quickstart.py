@@ -48,14 +48,20 @@ def pattern(shard_dir: Path, split: str) -> str:
     return str(shard_dir / meta["pattern"])
 
 
-def train(model: str, shards: Path, out: Path, nproc: int, seed: int, overrides) -> dict:
-    run_dir = out / model
+def torchrun(model: str, shards: Path, run_dir: Path, nproc: int, seed: int, args) -> None:
+    """`torchrun -m train_imagenet` on the quick start's recipe and the digits shards; `args`
+    are further command-line arguments (overrides, --eval-only)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "train_imagenet", "--config", "configs/quickstart.yaml",
            f"model={model}", f"data.train={pattern(shards, 'train')}", f"data.val={pattern(shards, 'val')}",
-           f"output_dir={run_dir}", f"seed={seed}", *overrides]
+           f"output_dir={run_dir}", f"seed={seed}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 2) // nproc)))}
     run(cmd, env=env)
+
+
+def train(model: str, shards: Path, out: Path, nproc: int, seed: int, overrides) -> dict:
+    run_dir = out / model
+    torchrun(model, shards, run_dir, nproc, seed, overrides)
     result = json.loads((run_dir / "eval.json").read_text())
     result["path"] = str(run_dir / "eval.json")
     return result

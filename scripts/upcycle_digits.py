@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quickstart  # noqa: E402  (the quick start's data preparation and training step)
+import quickstart  # noqa: E402  (the quick start's data preparation and torchrun command)
 
 ROOT = quickstart.ROOT
 MODEL = "vit_tiny_patch16_224"
@@ -35,14 +35,6 @@ MODEL = "vit_tiny_patch16_224"
 RECIPE = ["optim.lr=5e-4", "sched.warmup_epochs=1", "sched.warmup_lr=1e-5", "sched.min_lr=1e-5"]
 CONVERT = ["convert.enabled=true", "convert.init=identity", "convert.lr_mult=10",
            "convert.weight_decay=0.0"]
-
-
-def torchrun(shards: Path, run_dir: Path, nproc: int, seed: int, args) -> None:
-    quickstart.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                    "-m", "train_imagenet", "--config", "configs/quickstart.yaml", f"model={MODEL}",
-                    f"data.train={quickstart.pattern(shards, 'train')}",
-                    f"data.val={quickstart.pattern(shards, 'val')}", f"output_dir={run_dir}", f"seed={seed}",
-                    *args])
 
 
 def per_epoch(run_dir: Path) -> list:
@@ -78,11 +70,12 @@ def main(argv=None) -> int:
     for name, extra in arms.items():
         tag = "dc" if extra else "vit"
         step0 = args.out / f"{tag}_step0"
-        torchrun(shards, step0, args.nproc, args.seed, ["--eval-only", f"checkpoint={checkpoint}", *extra])
+        quickstart.torchrun(MODEL, shards, step0, args.nproc, args.seed,
+                            ["--eval-only", f"checkpoint={checkpoint}", *extra])
         run_dir = args.out / f"{tag}_finetune"
-        torchrun(shards, run_dir, args.nproc, args.seed,
-                 [f"pretrained={weights}", f"epochs={args.epochs}", "resume=auto", *RECIPE, *extra,
-                  *args.overrides])
+        quickstart.torchrun(MODEL, shards, run_dir, args.nproc, args.seed,
+                            [f"pretrained={weights}", f"epochs={args.epochs}", "resume=auto", *RECIPE,
+                             *extra, *args.overrides])
         rows[name] = [json.loads((step0 / "eval.json").read_text())] + per_epoch(run_dir)
 
     n = json.loads((pre_dir / "eval.json").read_text())["num_samples"]
