@@ -156,7 +156,7 @@ def test_compiled_ddp_equals_eager_one_process(tmp_path):
     """compile=true under torchrun: the model is compiled, then wrapped in DDP (timm's order);
     two compiled processes with accumulation end where one eager process with the same global
     batch ends, so DDP's gradient sync (and its skip on the first micro-batch) works through it."""
-    x, y = digits(80)
+    x, y = digits(120)
     write_folder(str(tmp_path / "train"), x[:64], y[:64])
     write_folder(str(tmp_path / "val"), x[64:], y[64:])
     common = [f"data.train={tmp_path / 'train'}", f"data.val={tmp_path / 'val'}", *TINY,
