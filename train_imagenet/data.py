@@ -20,6 +20,10 @@ mid-epoch replays the same batches. A corrupt training sample is replaced by the
 readable one (the shard stream cycles; an ImageFolder reads the next index), so batches stay
 full and the per-rank count holds; a corrupt evaluation sample is dropped. Every sample carries
 the number of corrupt samples skipped just before it, so the trainer can count them.
+
+The shard stream is a webdataset pipeline (tar reader, shuffle buffer, image decoder, epoch
+length); dealing shards to slots, cycling and counting corrupt samples stay ours, for the
+reasons docs/training.md ("Built on webdataset") gives.
 """
 import itertools
 import json
