@@ -63,10 +63,11 @@ def _check_input(x: Tensor, dim: int) -> None:
 
 
 @torch.fx.wrap
-def _eager_core(layer: "DCMHA", q: Tensor, k: Tensor, v: Tensor, x: Tensor,
+def _eager_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
                 attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
     """``layer._core(...)``, one call in an FX graph: a symbolically traced model runs the
-    same attention core as the eager model (bit-equal outputs and gradients)."""
+    same attention core as the eager model (bit-equal outputs and gradients). ``layer`` is a
+    `DCMHA` or a converted layer of `dcvit.conversion`."""
     return layer._core(q, k, v, x, attn_mask, is_causal)
 
 

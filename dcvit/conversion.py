@@ -49,7 +49,7 @@ from timm.models.eva import EvaAttention
 from timm.models.swin_transformer import WindowAttention
 from torch import Tensor, nn
 
-from .attention import DCMHA, DCMHA_OPTIONS
+from .attention import DCMHA, DCMHA_OPTIONS, _eager_core
 
 __all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
            "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
@@ -68,6 +68,11 @@ SUPPORTED: Dict[str, str] = {
                                  "grouped-query attention included",
     "timm.models.swin_transformer.WindowAttention": "Swin Transformer",
 }
+
+# FX records each converted layer's core as one call, as in DCMHA (`dcvit.attention._eager_core`):
+# a traced model runs the eager model's core, bit-equal outputs and gradients. (torch.fx.wrap
+# patches the name in the globals of the module that calls it, so this module registers it too.)
+torch.fx.wrap("_eager_core")
 
 # Submodule names of the DCMHA parameters in every converted layer.
 DCMHA_STATE_PARTS = ("dynamic_weights", "pre_compose", "post_compose")
@@ -113,7 +118,7 @@ class DCEvaAttention(_ComposedCore, EvaAttention):
             npt, half = self.num_prefix_tokens, getattr(self, "rotate_half", False)
             q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], dim=2).type_as(v)
             k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], dim=2).type_as(v)
-        out = self._core(q, k, v, x, attn_mask, is_causal)                           # (B, H, N, D)
+        out = _eager_core(self, q, k, v, x, attn_mask, is_causal)                     # (B, H, N, D)
         out = out.transpose(1, 2).reshape(B, N, -1)
         out = self.norm(out)
         if gate is not None:
@@ -143,7 +148,7 @@ class DCAttentionRope(_ComposedCore, AttentionRope):
         if self.num_kv_groups > 1:
             k = k.repeat_interleave(self.num_kv_groups, dim=1)
             v = v.repeat_interleave(self.num_kv_groups, dim=1)
-        out = self._core(q, k, v, x, attn_mask, is_causal)                           # (B, H, N, D)
+        out = _eager_core(self, q, k, v, x, attn_mask, is_causal)                     # (B, H, N, D)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
@@ -165,7 +170,7 @@ class DCWindowAttention(_ComposedCore, WindowAttention):
             nw = mask.shape[0]
             bias = bias + mask.unsqueeze(1).to(bias.dtype)                           # (nW, H, N, N)
             bias = bias.unsqueeze(0).expand(B_ // nw, -1, -1, -1, -1).reshape(B_, self.num_heads, N, N)
-        out = self._core(q, k, v, x, bias, False)                                    # (B_, H, N, D)
+        out = _eager_core(self, q, k, v, x, bias, False)                              # (B_, H, N, D)
         out = out.transpose(1, 2).reshape(B_, N, -1)
         return self.proj_drop(self.proj(out))
 

@@ -6,12 +6,14 @@ import pickle
 import pytest
 import timm
 import torch
+from timm.models import create_feature_extractor, get_graph_node_names
 from torch import nn
+from torch.fx import symbolic_trace
 
 import dcvit
 from dcvit import DCMHA
 from dcvit.conversion import DCAttentionRope, DCEvaAttention, DCWindowAttention, converted_layers
-from dcvit.fused import attention_impl
+from dcvit.fused import attention_impl, select_impl
 
 # A small random instance of each supported family (timm's own builders, small widths).
 FAMILIES = {
@@ -110,6 +112,45 @@ def test_identity_conversion_trains_like_the_original(family):
         dw = converted.get_submodule(name).dynamic_weights
         assert dw.qkw.grad[:, :, dw.rank:].abs().sum() > 0
         assert dw.dd_w.grad.abs().sum() > 0
+
+
+def _output_and_grads(model, x):
+    """Output and the gradients of a weighted sum of it w.r.t. the input and every trained
+    parameter, by name (a traced graph holds the parameters in another order)."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), [x, *params])
+    return out, dict(zip(("input", *names), grads))
+
+
+@pytest.mark.parametrize("family", ["eva02", "eva02_clip_unfused_qkv", "pe_rope_gqa", "swin"])
+def test_fx_traced_converted_model_is_bit_equal_to_eager(family):
+    """A converted layer's core is one call in an FX graph (as DCMHA's): the traced model runs
+    the eager model's core, so outputs and gradients are equal bit for bit."""
+    model = dcvit.convert(build(family), init="paper").train()        # no dropout: deterministic
+    for m in model.modules():                   # a trained bias table would make Swin's mask need
+        if hasattr(m, "relative_position_bias_table"):   # a gradient: the reference core would run
+            m.relative_position_bias_table.requires_grad_(False)
+    x = sample(family, model)
+    layers = converted_layers(model)
+    assert layers and all(isinstance(model.get_submodule(n), LAYER_TYPE[family]) for n in layers)
+    assert select_impl("auto", x, True) != "reference"                # eager runs a fast core here
+    graph = symbolic_trace(model)
+    cores = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ == "_eager_core"]
+    assert len(cores) == len(layers)
+    out, grads = _output_and_grads(model, x)
+    fx_out, fx_grads = _output_and_grads(graph, x)
+    assert torch.equal(fx_out, out), (fx_out - out).abs().max()
+    assert fx_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        assert torch.equal(fx_grads[name], g), (name, (fx_grads[name] - g).abs().max())
+    # timm's FX feature extraction (its own tracer) too
+    model.eval()
+    _, nodes = get_graph_node_names(model)
+    features = create_feature_extractor(model, {nodes[-1]: "out"})
+    with torch.no_grad():
+        assert torch.equal(features(x)["out"], model(x))
 
 
 def test_identity_and_paper_initialisations():
