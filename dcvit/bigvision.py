@@ -19,7 +19,7 @@ it, `BV_DCMHA_OPTIONS`). Every DCMHA option remains a ``timm.create_model`` keyw
 checkpoint through `dcvit.bigvision_npz`.
 """
 import math
-from typing import Any, Dict
+from typing import Any, Dict, List, Union
 
 import torch
 from timm.layers import lecun_normal_
@@ -154,8 +154,17 @@ class BigVisionViT(VisionTransformer):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        """As big_vision's ``wd_mults`` (kernels only): also no decay on ``qkw`` and the static matrices."""
-        return set(super().no_weight_decay()) | {"*.dynamic_weights.qkw", "*.static"}
+        """As big_vision's ``wd_mults`` (kernels only): also no decay on ``qkw`` and the static
+        matrices. (``pos_embed`` is a fixed buffer here, not a parameter.)"""
+        return (set(super().no_weight_decay()) - {"pos_embed"}) | {"*.dynamic_weights.qkw", "*.static"}
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """As ``VisionTransformer``'s; ``prune_head`` also removes ``pre_logits`` (part of the head)."""
+        take_indices = super().prune_intermediate_layers(indices, prune_norm=prune_norm, prune_head=prune_head)
+        if prune_head:
+            self.pre_logits = nn.Identity()
+        return take_indices
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
         """Average pool, ``pre_logits`` (Linear+tanh), head; ``pre_logits=True`` stops before the head."""

@@ -162,6 +162,39 @@ def test_timm_contract(name):
     assert scripted(x).shape == (2, 1000)
 
 
+@pytest.mark.parametrize("name", ["vit_small_patch16_bv_224", "dcvit_small_patch16_bv_224"])
+def test_no_weight_decay_names_parameters_only(name):
+    """Each entry matches a parameter (the sin-cos ``pos_embed`` is a buffer, not one) or names
+    an optional part this body leaves out (timm's optimizer factory reads the list)."""
+    import fnmatch
+    model = timm.create_model(name, **SMALL)
+    names = [n for n, _ in model.named_parameters()]
+    for pattern in model.no_weight_decay():
+        if not any(fnmatch.fnmatch(n, pattern) for n in names):
+            assert getattr(model, pattern, None) is None, pattern
+    assert "pos_embed" not in model.no_weight_decay()
+    if name.startswith("dcvit"):
+        assert any(fnmatch.fnmatch(n, "*.dynamic_weights.qkw") for n in names)
+
+
+@pytest.mark.parametrize("name", ["vit_small_patch16_bv_224", "dcvit_small_patch16_bv_224"])
+def test_pruning_the_head_removes_pre_logits(name):
+    """``prune_intermediate_layers`` (prune_head=True) leaves no parameter without a use."""
+    torch.manual_seed(0)
+    model = timm.create_model(name, **SMALL)
+    x = torch.randn(2, 3, 32, 32)
+    taps = model.forward_intermediates(x, indices=[0], intermediates_only=True)
+    assert model.prune_intermediate_layers([0]) == [0]
+    assert isinstance(model.pre_logits, torch.nn.Identity) and len(model.blocks) == 1
+    kept = model.forward_intermediates(x, indices=[0], intermediates_only=True)
+    torch.testing.assert_close(kept[0], taps[0])
+    sum(f.sum() for f in kept + [model.forward_features(x)]).backward()
+    assert not [n for n, p in model.named_parameters() if p.grad is None]
+    rep = timm.create_model(name, **SMALL)
+    rep.prune_intermediate_layers([0], prune_head=False)
+    assert isinstance(rep.pre_logits, torch.nn.Sequential)
+
+
 def test_body_arguments_that_are_not_big_vision_are_refused():
     with pytest.raises(ValueError, match="class_token=True is not the big_vision body"):
         timm.create_model("vit_small_patch16_bv_224", class_token=True)
