@@ -5,6 +5,9 @@
 #   DCVIT_MIN_VENV  where that environment lives (default: <repo>/.venv-min; several GB,
 #                   as older torch releases come with their CUDA libraries from PyPI)
 #   PYTHON          the interpreter that creates it (default: python3)
+# The C++ kernels are built in that environment's own cache (DCVIT_KERNEL_CACHE, default
+# <venv>/kernel-cache): a library built against another torch must not be loaded, nor
+# overwrite the one the other environments load.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="${DCVIT_MIN_VENV:-$root/.venv-min}"
@@ -46,4 +49,5 @@ for line in open(sys.argv[1]):
     assert Version(got.split("+")[0]) == Version(want), f"{name}: installed {got}, lower bound {want}"
 PY
 cd "$root"
+export DCVIT_KERNEL_CACHE="${DCVIT_KERNEL_CACHE:-$venv/kernel-cache}"
 exec "$venv/bin/python" -m pytest "$@"
