@@ -3,22 +3,24 @@
 With each Compose stage merged into per-token H×H matrices (`dcvit.matrices`), the attention
 core ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v`` is one custom op,
 ``dcvit::composed_attention`` (`composed_attention`), with its own backward op,
-``dcvit::composed_attention_backward``: it saves only q, k, v and the matrices and
-recomputes the (B, H, T, S) maps in backward, and ``torch.compile`` keeps it as one node.
+``dcvit::composed_attention_backward``: it saves q, k, v, the matrices and whatever
+statistics the core keeps (none, or the softmax's row log-sum-exp), recomputes the
+(B, H, T, S) maps in backward, and ``torch.compile`` keeps it as one node.
 Its cores (the op's ``impl`` argument):
 
 * ``"cpp"``:    the C++ kernels (`dcvit.kernels.compose_cpu`, operators ``dcvit_cpu::*``),
   CPU fp32/fp64: the whole core, products included, flash-style per batch element and
   block of queries on each thread;
 * ``"triton"``: the whole core, forward and backward, in Triton kernels
-  (`dcvit.kernels.triton_core`), CUDA: its own custom op, ``dcvit::triton_attention``
-  (it saves the softmax statistics between forward and backward);
+  (`dcvit.kernels.triton_core`), CUDA (and CPU tensors under Triton's interpreter): the
+  forward keeps each head's row log-sum-exp for the backward;
 * ``"torch"``:  the same maths in PyTorch ops (any device).
 
-"torch" (and "cpp" for bf16 inputs or when the weights themselves are returned) run
-in the tiled driver (`_attention_forward`, `_attention_backward`): tiles of (batch,
-queries) of about 2 MiB on CPU (`TILE_ELEMENTS`, `_tiles`), q k^T and p v by ``baddbmm``
-around the rows (all heads of one query together). Two more cores skip the custom op:
+"torch" (and "cpp" for bf16 inputs, "cpp"/"triton" when the weights themselves are
+returned) run in the tiled driver (`_attention_forward`, `_attention_backward`): tiles of
+(batch, queries) of about 2 MiB on CPU (`TILE_ELEMENTS`, `_tiles`), q k^T and p v by
+``baddbmm`` around the rows (all heads of one query together). Two more cores skip the
+custom op:
 
 * ``"compile"``: plain differentiable PyTorch written for inductor to fuse (no graph breaks);
 * ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
@@ -28,26 +30,27 @@ around the rows (all heads of one query together). Two more cores skip the custo
 `attention_impl` forces one. The per-slot Compose matrices travel as
 `dcvit.matrices.ComposeMatrices`.
 
-Device kernels. The ops' autograd and fake-tensor rules are registered once, for every
-device; a device's kernel for one core is plugged in with `register_core` (which calls
-``torch.library.register_kernel`` on both ops): the C++ core is registered so for ``"cpu"``
-below. A device kernel whose backward recomputes from the op's inputs alone registers the
-same way, from this module (kernels never import it), e.g. for CUDA::
+Device kernels. The ops' autograd and fake-tensor rules are written once, for every device
+and core; a device's kernels for one core are plugged in with `register_core`, from this
+module (kernels never import it): the C++ core for ``"cpu"``, the Triton core for
+``"cuda"`` (and ``"cpu"``, where it runs only under the interpreter)::
 
-    register_core("cuda", "triton", forward, backward)
-    # forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> (B, T, H, D) output, or None
-    # backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+    register_core("cuda", "triton", forward, backward, stats)
+    # forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> (out (B, T, H, D), stats or None), or None
+    # backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, scale, want)
     #     -> [dq, dk, dv, dmq1, dmk1, dmq2, dmk2], or None
+    # stats(q, k, v) -> an empty tensor shaped as forward's statistics (fake-tensor rule)
 
 with the op's arguments: q, k, v (B, H, N, D) on any strides (v None: the weights
 (B, H, T, S) are wanted), mask additive and broadcastable to (B, H, T, S) or None, mq*
-(B|1, T|1, H, H), mk* (B, S, H, H) or None, ``grad`` of the output's (B, H, T, D) view.
-Returning None declines (the tiled driver runs); `select_impl` decides which core runs.
-The ops carry no saved state besides their inputs: a kernel that keeps softmax statistics
-from forward for backward (today's Triton core) has its own op for now.
+(B|1, T|1, H, H), mk* (B, S, H, H) or None, ``grad`` of the output's (B, H, T, D) view,
+``want`` the matrix gradients autograd needs. Returning None declines (the tiled driver
+runs); `select_impl` decides which core runs. The op returns the statistics beside the
+output (a zero-size tensor for a core that keeps none, such as the C++ one) and hands them
+to the backward.
 """
 import contextlib
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -387,90 +390,127 @@ def _attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
 # The core as torch.library custom ops, dcvit::composed_attention and its backward
 # dcvit::composed_attention_backward: one opaque op in eager mode and inside torch.compile
 # (the compiled graph keeps the kernels instead of re-deriving the maths). The autograd and
-# fake-tensor rules below serve every device; each device may have its own kernel for a core
-# (`register_core`), the tiled driver above runs everything else. Absent optional gradients
-# travel as empty tensors.
+# fake-tensor rules below serve every device and core; a device's kernels for a core are
+# plugged in with `register_core`, the tiled driver above runs everything else. The forward
+# returns (output, statistics): what the core keeps from forward for backward (the Triton
+# core's row log-sum-exp), a zero-size tensor for a core that keeps none. Absent optional
+# gradients travel as zero-size tensors.
+
+CoreForward = Callable[..., Optional[Tuple[Tensor, Optional[Tensor]]]]
+CoreBackward = Callable[..., Optional[Sequence[Optional[Tensor]]]]
+CoreStats = Callable[[Tensor, Tensor, Optional[Tensor]], Optional[Tensor]]
+
+
+class _Core(NamedTuple):
+    """One core's kernels on one device (see `register_core`)."""
+    forward: CoreForward
+    backward: CoreBackward
+    stats: Optional[CoreStats]
+
+
+_CORES: Dict[Tuple[str, str], _Core] = {}        # (device type, core) -> its kernels
+
+
+def register_core(device: str, impl: str, forward: CoreForward, backward: CoreBackward,
+                  stats: Optional[CoreStats] = None) -> None:
+    """Make ``forward``/``backward`` the ``device`` kernels of the core ``impl`` in the ops
+    ``dcvit::composed_attention`` / ``dcvit::composed_attention_backward`` (one pair per
+    device and core; registering again replaces it).
+
+    ``forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)`` returns ``(out, stats)``: the
+    (B, T, H, D) output and the statistics the core keeps for its backward (None: it keeps
+    none), or None to decline (the tiled driver then runs). ``backward(grad, q, k, v, mask,
+    mq1, mk1, mq2, mk2, stats, scale, want)``, with ``grad`` of the output's (B, H, T, D)
+    view, ``stats`` as forward returned them (None if it kept none) and ``want`` the four
+    flags of the matrix gradients autograd needs, returns ``[dq, dk, dv, dmq1, dmk1, dmq2,
+    dmk2]`` (matrix gradients per token, (B, T, H, H) / (B, S, H, H), summed here to
+    broadcast inputs' shapes; None for absent or unwanted ones), or None to decline.
+    Arguments as `composed_attention`'s: q, k, v (B, H, N, D) on any strides, v None when
+    the weights themselves are wanted, mask additive and broadcastable, matrices in any
+    float dtype. A core that keeps statistics gives ``stats(q, k, v)``: an empty tensor of
+    their shape, dtype and device for these operands (the fake-tensor rule returns it), or
+    None where its forward declines. The ops' autograd and fake rules are shared: a kernel
+    registered here is used in eager mode, under autograd and inside ``torch.compile`` alike.
+    """
+    _CORES[(device, impl)] = _Core(forward, backward, stats)
+
+
+def _no_stats(q: Tensor) -> Tensor:
+    return q.new_empty(0)
+
 
 @torch.library.custom_op("dcvit::composed_attention", mutates_args=())
 def _attention_op(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
                   mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                  mk2: Optional[Tensor], impl: str, scale: float) -> Tensor:
-    return _attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale)
+                  mk2: Optional[Tensor], impl: str, scale: float) -> Tuple[Tensor, Tensor]:
+    core = _CORES.get((q.device.type, impl))
+    if core is not None:
+        got = core.forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+        if got is not None:
+            out, stats = got
+            return out, _no_stats(q) if stats is None else stats
+        if core.stats is not None and core.stats(q, k, v) is not None:
+            raise RuntimeError(f"the {impl!r} core's {q.device.type} forward declined operands for "
+                               "which its stats rule promises statistics; make the two agree")
+    return _attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale), _no_stats(q)
 
 
 @_attention_op.register_fake
 def _(q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale):
     B, H, T, _ = q.shape
-    return q.new_empty(B, H, T, k.shape[2]) if v is None else _out_like(q, v)
+    out = q.new_empty(B, H, T, k.shape[2]) if v is None else _out_like(q, v)
+    core = _CORES.get((q.device.type, impl))
+    stats = None if core is None or core.stats is None else core.stats(q, k, v)
+    return out, _no_stats(q) if stats is None else stats
 
 
 @torch.library.custom_op("dcvit::composed_attention_backward", mutates_args=())
 def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Optional[Tensor],
                            mask: Optional[Tensor], mq1: Optional[Tensor], mk1: Optional[Tensor],
-                           mq2: Optional[Tensor], mk2: Optional[Tensor], impl: str,
-                           scale: float) -> List[Tensor]:
+                           mq2: Optional[Tensor], mk2: Optional[Tensor], stats: Tensor, impl: str,
+                           scale: float, want: List[bool]) -> List[Tensor]:
     g = grad if v is None else grad.transpose(1, 2)             # of the (B, T, H, D) output
-    return _as_op_grads(_attention_backward(g, q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale), q)
+    mats = (mq1, mk1, mq2, mk2)
+    core = _CORES.get((q.device.type, impl))
+    grads = None
+    if core is not None:
+        grads = core.backward(g, q, k, v, mask, *mats, stats if stats.numel() else None, scale, want)
+    if grads is None:
+        grads = _attention_backward(g, q, k, v, mask, *mats, impl, scale)
+    else:
+        grads = [*grads[:3], *(_reduce_to(d, m) for d, m in zip(grads[3:], mats))]
+    return [q.new_empty(0) if d is None or (i >= 3 and not want[i - 3]) else d
+            for i, d in enumerate(grads)]
 
 
 @_attention_backward_op.register_fake
-def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale):
+def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, impl, scale, want):
     fmt = torch.contiguous_format                                   # as the real op's
-    return [q.new_empty(0) if t is None else torch.empty_like(t, memory_format=fmt)
-            for t in (q, k, v, mq1, mk1, mq2, mk2)]
-
-
-def _as_op_grads(grads: Sequence[Optional[Tensor]], q: Tensor) -> List[Tensor]:
-    return [q.new_empty(0) if g is None else g for g in grads]
+    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), want))
+    return [q.new_empty(0) if t is None else torch.empty_like(t, memory_format=fmt) for t in wanted]
 
 
 def _attention_setup(ctx, inputs, output) -> None:
     q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale = inputs
-    ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2)
+    ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)            # no zeros for the statistics' gradient
     ctx.impl, ctx.scale = impl, scale
+    ctx.want = [bool(ctx.needs_input_grad[i]) for i in (4, 5, 6, 7)]
 
 
-def _attention_grad(ctx, grad: Tensor):
-    q, k, v, mask, mq1, mk1, mq2, mk2 = ctx.saved_tensors
-    grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, ctx.impl, ctx.scale)
-    dq, dk, dv, d1, d2, d3, d4 = [None if t is None else g for g, t in zip(grads, (q, k, v, mq1, mk1, mq2, mk2))]
+def _attention_grad(ctx, grad: Optional[Tensor], _grad_stats: Optional[Tensor]):
+    if grad is None:                                        # the output got no gradient
+        return (None,) * 10
+    q, k, v, mask, mq1, mk1, mq2, mk2, stats = ctx.saved_tensors
+    grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, ctx.impl,
+                                   ctx.scale, ctx.want)
+    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), ctx.want))
+    dq, dk, dv, d1, d2, d3, d4 = [None if t is None else g for g, t in zip(grads, wanted)]
     return dq, dk, dv, None, d1, d2, d3, d4, None, None
 
 
 _attention_op.register_autograd(_attention_grad, setup_context=_attention_setup)
-
-CoreForward = Callable[..., Optional[Tensor]]
-CoreBackward = Callable[..., Optional[Sequence[Optional[Tensor]]]]
-
-
-def register_core(device: str, impl: str, forward: CoreForward, backward: CoreBackward) -> None:
-    """Make ``forward``/``backward`` the ``device`` kernels of the core ``impl`` (one per device).
-
-    ``forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)`` returns the (B, T, H, D) output, or
-    None to decline (the tiled driver then runs); ``backward(grad, q, k, v, mask, mq1, mk1,
-    mq2, mk2, scale)``, with ``grad`` of the output's (B, H, T, D) view, returns ``[dq, dk,
-    dv, dmq1, dmk1, dmq2, dmk2]`` (matrix gradients at (B, T, H, H) / (B, S, H, H), summed
-    here to broadcast inputs' shapes; None for absent inputs), or None to decline. Arguments
-    as `composed_attention`'s: q, k, v (B, H, N, D) on any strides, v None when the weights
-    themselves are wanted, mask additive and broadcastable, matrices in any float dtype.
-    The custom ops' autograd and fake rules are shared: a kernel registered here is used
-    in eager mode, under autograd and inside ``torch.compile`` alike.
-    """
-    def forward_kernel(q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale):
-        out = forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) if impl_ == impl else None
-        return out if out is not None else _attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale)
-
-    def backward_kernel(grad, q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale):
-        g = grad if v is None else grad.transpose(1, 2)
-        grads = backward(g, q, k, v, mask, mq1, mk1, mq2, mk2, scale) if impl_ == impl else None
-        if grads is None:
-            grads = _attention_backward(g, q, k, v, mask, mq1, mk1, mq2, mk2, impl_, scale)
-        else:
-            grads = [*grads[:3], *(_reduce_to(d, m) for d, m in zip(grads[3:], (mq1, mk1, mq2, mk2)))]
-        return _as_op_grads(grads, q)
-
-    _attention_op.register_kernel(device)(forward_kernel)
-    _attention_backward_op.register_kernel(device)(backward_kernel)
 
 
 def _cpp_takes(q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
@@ -481,13 +521,14 @@ def _cpp_takes(q: Tensor, k: Tensor, v: Optional[Tensor]) -> bool:
             and q.shape[1] <= compose_cpu.MAX_HEADS and compose_cpu.available())
 
 
-def _cpp_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Optional[Tensor]:
+def _cpp_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Optional[Tuple[Tensor, None]]:
     if not _cpp_takes(q, k, v):
         return None
-    return torch.ops.dcvit_cpu.attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+    return torch.ops.dcvit_cpu.attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale), None
 
 
-def _cpp_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Optional[List[Optional[Tensor]]]:
+def _cpp_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, scale,
+                  want) -> Optional[List[Optional[Tensor]]]:
     if not _cpp_takes(q, k, v):
         return None
     grads = torch.ops.dcvit_cpu.attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale)
@@ -495,6 +536,32 @@ def _cpp_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Optional[Li
 
 
 register_core("cpu", "cpp", _cpp_forward, _cpp_backward)
+
+
+def _triton_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Optional[Tuple[Tensor, Tensor]]:
+    if v is None:
+        return None                     # the weights themselves: the tiled driver's torch rows
+    return _triton().attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)
+
+
+def _triton_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, scale,
+                     want) -> Optional[List[Optional[Tensor]]]:
+    if v is None:
+        return None
+    return _triton().attention_backward(grad.transpose(1, 2), q, k, v, mask, mq1, mk1, mq2, mk2,
+                                        stats, scale, want)
+
+
+def _triton_stats(q: Tensor, k: Tensor, v: Optional[Tensor]) -> Optional[Tensor]:
+    """The Triton core's statistics: each head's row log-sum-exp, (B, H, T) float32."""
+    B, H, T, _ = q.shape
+    return None if v is None else q.new_empty(B, H, T, dtype=torch.float32)
+
+
+# The Triton core on CUDA, and on CPU tensors under Triton's interpreter (elsewhere its
+# forward raises an error that names the fix). Triton itself is imported on first use.
+for _device in ("cuda", "cpu"):
+    register_core(_device, "triton", _triton_forward, _triton_backward, _triton_stats)
 
 
 def _matrices_for(impl: str, btH: Tuple[int, int, int], dtype: torch.dtype,
@@ -581,12 +648,7 @@ def composed_attention(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional
     """
     if impl not in _CORE_IMPLS:
         raise ValueError(f"composed_attention runs the cores {_CORE_IMPLS}, got {impl!r}")
-    if impl == "triton":
-        if v is not None:
-            return _triton().composed_attention(q, k, v, mask, (mats.pre_q, mats.pre_k),
-                                                (mats.post_q, mats.post_k), float(scale))
-        impl = "torch"                  # the weights themselves (attention dropout): torch rows
-    out = _attention_op(q, k, v, mask, *mats, impl, float(scale))
+    out, _ = _attention_op(q, k, v, mask, *mats, impl, float(scale))
     return out if v is None else out.transpose(1, 2)
 
 

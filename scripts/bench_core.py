@@ -36,7 +36,8 @@ def main(argv=None) -> int:
 
     def forward():
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)                  # (B, H, N, D) views
-        return torch.ops.dcvit.composed_attention(q, k, v, None, *mats, args.impl, D ** -0.5)
+        out, _ = torch.ops.dcvit.composed_attention(q, k, v, None, *mats, args.impl, D ** -0.5)
+        return out                                                      # (output, statistics)
 
     def forward_backward():
         torch.autograd.grad(forward(), [qkv, *mats], up)

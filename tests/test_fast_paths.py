@@ -405,6 +405,63 @@ def test_register_core_plugs_a_device_kernel_into_the_ops():
     _assert_same(ref, out, atol=1e-10)
 
 
+def test_register_core_carries_a_cores_statistics(monkeypatch):
+    """A core that keeps statistics from forward (as the Triton core keeps the row
+    log-sum-exp) gets them back in backward, through eager autograd, opcheck's fake-tensor
+    rule and a torch.compile graph."""
+    seen = []
+
+    def forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
+        out = fused._attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, "torch", scale)
+        return out, torch.logsumexp(scale * q @ k.transpose(-1, -2), dim=-1).float()
+
+    def backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, scale, want):
+        seen.append(stats)
+        return None                                                  # the tiled driver
+
+    def stats(q, k, v):
+        return q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    monkeypatch.setitem(fused._CORES, ("cpu", "torch"), fused._Core(forward, backward, stats))
+    B, N, H, D = 2, 5, 3, 4
+    q, k, v = (torch.randn(B, H, N, D, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mats = [torch.randn(B, N, H, H, dtype=torch.float64, requires_grad=True) for _ in range(4)]
+    out, kept = fused._attention_op(q, k, v, None, *mats, "torch", 0.5)
+    want = torch.logsumexp(0.5 * q @ k.transpose(-1, -2), dim=-1).float()
+    torch.testing.assert_close(kept, want)
+    out.sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], kept)
+    results = torch.library.opcheck(fused._attention_op, (q, k, v, None, *mats, "torch", 0.5))
+    assert set(results.values()) == {"SUCCESS"}, results
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: fused.composed_attention(*a, "torch", 0.5), fullgraph=True,
+                             backend="aot_eager")
+    seen.clear()
+    compiled(q, k, v, None, ComposeMatrices(*mats)).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], kept)
+
+    monkeypatch.setitem(fused._CORES, ("cpu", "torch"),
+                        fused._Core(lambda *a: None, backward, stats))   # declines, yet promised
+    with pytest.raises(RuntimeError, match="stats rule promises statistics"):
+        fused._attention_op(q, k, v, None, *mats, "torch", 0.5)
+
+
+def test_a_core_without_statistics_hands_none_to_backward(monkeypatch):
+    seen = []
+
+    def backward(*args):
+        seen.append(args[9])
+        return None
+
+    monkeypatch.setitem(fused._CORES, ("cpu", "torch"), fused._Core(lambda *a: None, backward, None))
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    out, kept = fused._attention_op(q, q, q, None, None, None, None, None, "torch", 1.0)
+    assert kept.numel() == 0 and not kept.requires_grad
+    out.sum().backward()
+    assert seen == [None]
+
+
 def test_kernel_build_failure_falls_back(monkeypatch, tmp_path):
     monkeypatch.setattr(compose_cpu, "_state", {})
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))

@@ -1,4 +1,5 @@
-"""The Triton attention core (`dcvit.kernels.triton_core`) equals the attention formula.
+"""The Triton attention core (`dcvit.kernels.triton_core`, run through the custom op
+``dcvit::composed_attention`` as the core ``"triton"``) equals the attention formula.
 
 Without a GPU the kernels run on CPU in Triton's interpreter (tests/conftest.py sets
 ``TRITON_INTERPRET=1``); with one they are compiled and run on CUDA, so the same file is
@@ -16,7 +17,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 import dcvit  # noqa: E402
+from dcvit import fused  # noqa: E402
 from dcvit.fused import attention_impl  # noqa: E402
+from dcvit.matrices import ComposeMatrices  # noqa: E402
 from dcvit.kernels import triton_core  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,8 +98,13 @@ def _grads(fn, inputs, mask, mats, scale, grad_seed=1):
     return out, torch.autograd.grad(out, present, g)
 
 
+def _triton(q, k, v, mask, mats, scale):
+    """The core through the dispatcher's op: (B, H, T, D)."""
+    return fused.composed_attention(q, k, v, mask, ComposeMatrices(*mats), "triton", scale)
+
+
 def _kernel(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
-    return triton_core.composed_attention(q, k, v, mask, (mq1, mk1), (mq2, mk2), scale).transpose(1, 2)
+    return _triton(q, k, v, mask, (mq1, mk1, mq2, mk2), scale).transpose(1, 2)
 
 
 def _reference64(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
@@ -167,13 +175,22 @@ def test_strided_qkv_views():
     _assert_matches(*_case(2, 3, 13, 13, 12, strided=True, seed=9))
 
 
-def test_matrix_gradients_are_skipped_when_not_needed():
-    """Only requested gradients are computed; the others come back as None."""
+def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):
+    """Only requested gradients are computed (the kernels are told which); the others come
+    back as None."""
     inputs, mask, mats = _case(1, 3, 9, 9, 8, seed=10)
     q, k, v = (t.clone().requires_grad_() for t in inputs)
-    out = triton_core.composed_attention(q, k, v, mask, tuple(mats[:2]), tuple(mats[2:]), 0.5)
-    out.sum().backward()
-    assert all(t.grad is not None for t in (q, k, v))
+    mleaves = [mats[0], mats[1].clone().requires_grad_(), mats[2], mats[3]]
+    seen = []
+    real = triton_core.attention_backward
+
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(triton_core, "attention_backward", spy)
+    _triton(q, k, v, mask, mleaves, 0.5).sum().backward()
+    assert all(t.grad is not None for t in (q, k, v)) and mleaves[1].grad is not None
+    assert seen == [[False, True, False, False]]
 
 
 def test_backward_without_saved_statistics_recomputes_them():
@@ -289,19 +306,29 @@ def test_launch_count_is_fixed(monkeypatch):
         counts[(B, N)] = (len(fwd.ops), len(bwd.ops), fwd_launches, bwd_launches)
         assert fwd_launches == ["forward_kernel"]
         assert bwd_launches == ["backward_query_kernel", "backward_key_kernel"]
-        assert "dcvit.triton_attention.default" in fwd.ops
-        assert "dcvit.triton_attention_backward.default" in bwd.ops
+        assert "dcvit.composed_attention.default" in fwd.ops
+        assert "dcvit.composed_attention_backward.default" in bwd.ops
     assert counts[(1, 5)] == counts[(3, 37)], counts
 
 
 # ---------------------------------------------------------------- custom op and compile
 
 def test_custom_op_passes_opcheck():
+    """The core "triton" of dcvit::composed_attention: schema, fake-tensor rule (the output
+    and the (B, H, T) statistics, shapes and strides as the kernels return them), autograd."""
     inputs, mask, mats = _case(1, 3, 7, 9, 8, seed=12)
     inputs = [t.requires_grad_() for t in inputs]
     mats = [m.requires_grad_() for m in mats]
-    torch.library.opcheck(torch.ops.dcvit.triton_attention.default, (*inputs, mask, *mats, 0.5),
+    out, stats = fused._attention_op(*inputs, mask, *mats, "triton", 0.5)
+    assert out.shape == (1, 7, 3, 8) and stats.shape == (1, 3, 7) and stats.dtype == torch.float32
+    assert not stats.requires_grad
+    torch.library.opcheck(torch.ops.dcvit.composed_attention.default, (*inputs, mask, *mats, "triton", 0.5),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_the_separate_triton_op_is_gone():
+    """One op for every core: the Triton core has no op of its own."""
+    assert not hasattr(torch.ops.dcvit, "triton_attention")
 
 
 def test_errors_name_the_fix():

@@ -1,12 +1,13 @@
 """The fused DCMHA attention core on CUDA: launches `dcvit.kernels.triton_attention`.
 
-``composed_attention(q, k, v, mask, pre, post, scale)`` computes
+``attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)`` computes
 ``compose2(softmax(compose1(scale q kᵀ) + mask)) @ v`` (docs/spec.md §1.1) with every
-stage given as per-token H×H matrices ``(mq, mk)`` (`dcvit.matrices`): one Triton launch
-forward, two backward, whatever the batch size and sequence length. It is a
-``torch.library`` custom op, ``dcvit::triton_attention`` (output (B, T, H, D) and the
-per-head row log-sum-exp (B, H, T), saved for backward instead of any (B, H, T, S) map),
-with its own backward op, so ``torch.compile`` keeps it as one node.
+stage given as per-token H×H matrices ``(mq, mk)`` (`dcvit.matrices`): one Triton launch,
+returning the output (B, T, H, D) and each head's row log-sum-exp (B, H, T), the softmax
+statistics that ``attention_backward`` takes instead of any (B, H, T, S) map (two launches).
+The dispatcher plugs both into its custom op ``dcvit::composed_attention`` as the core
+``"triton"`` (`dcvit.fused.register_core`), which carries the statistics from forward to
+backward and which ``torch.compile`` keeps as one node.
 
 Operands: q, k, v (B, H, N, D) on any strides, float32/bfloat16/float16 (products in that
 dtype with float32 accumulation; float32 products in full precision, not TF32); the
@@ -26,11 +27,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["available", "interpreted", "works_on", "composed_attention", "attention_forward",
-           "attention_backward", "block_sizes", "MAX_HEADS"]
+__all__ = ["available", "interpreted", "works_on", "attention_forward", "attention_backward",
+           "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
-Stage = Tuple[Optional[Tensor], Optional[Tensor]]
 
 try:
     import triton
@@ -247,14 +247,14 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
                        want: Sequence[bool] = (True, True, True, True)) -> List[Optional[Tensor]]:
     """Gradients for q, k, v, mq1, mk1, mq2, mk2 from the output's gradient ``grad``
     (B, T, H, D) and the forward's ``lse`` (None: recomputed, one more launch); ``want``
-    skips matrix gradients nobody needs. Matrix gradients come back in each matrix's shape
-    (broadcast dims summed), float32."""
+    skips matrix gradients nobody needs (None). Matrix gradients come back per token,
+    (B, T, H, H) / (B, S, H, H) float32, whatever the matrices' broadcast shapes (the
+    dispatcher sums them down)."""
     if lse is None:
         _, lse = attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale, stats_only=True)
     B, H, T, D = q.shape
     S = k.shape[2]
-    mats_in = (mq1, mk1, mq2, mk2)
-    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, mats_in)
+    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2))
     if mask is not None:
         mask = mask.expand(B, H, T, S)
     g = grad.transpose(1, 2)                                                 # (B, H, T, D)
@@ -278,76 +278,4 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
         mask_args[0], *mat_ptrs,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dk.stride(), *mask_args[1:],
         *strides, T, S, float(scale)), dict(flags, WANT_DMK1=wk1, WANT_DMK2=wk2))
-    return [dq, dk, dv, *(_reduce_to(d, m) for d, m in zip((dmq1, dmk1, dmq2, dmk2), mats_in))]
-
-
-def _reduce_to(grad: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
-    """A (B, N, H, H) gradient summed down to a broadcast matrix's shape, in its dtype."""
-    if grad is None or like is None:
-        return None
-    if grad.shape != like.shape:
-        dims = [i for i, (g, l) in enumerate(zip(grad.shape, like.shape)) if l == 1 and g != 1]
-        grad = grad.sum(dim=dims, keepdim=True)
-    return grad.to(like.dtype)
-
-
-# The core as a custom op with its own backward op: one node in eager mode and under
-# torch.compile. Absent gradients travel as empty tensors.
-
-@torch.library.custom_op("dcvit::triton_attention", mutates_args=())
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], mq1: Optional[Tensor],
-                  mk1: Optional[Tensor], mq2: Optional[Tensor], mk2: Optional[Tensor],
-                  scale: float) -> Tuple[Tensor, Tensor]:
-    return attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale)
-
-
-@_attention_op.register_fake
-def _(q, k, v, mask, mq1, mk1, mq2, mk2, scale):
-    B, H, T, D = q.shape
-    return v.new_empty(B, T, H, D), q.new_empty(B, H, T, dtype=torch.float32)
-
-
-@torch.library.custom_op("dcvit::triton_attention_backward", mutates_args=())
-def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
-                           mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                           mk2: Optional[Tensor], lse: Tensor, scale: float,
-                           want: List[bool]) -> List[Tensor]:
-    grads = attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, lse, scale, want)
-    return [q.new_empty(0) if g is None else g for g in grads]
-
-
-@_attention_backward_op.register_fake
-def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, lse, scale, want):
-    mats = [m if (m is not None and w) else None for m, w in zip((mq1, mk1, mq2, mk2), want)]
-    return [torch.empty(t.shape, dtype=t.dtype, device=t.device) if t is not None else q.new_empty(0)
-            for t in (q, k, v, *mats)]
-
-
-def _setup(ctx, inputs, output) -> None:
-    q, k, v, mask, mq1, mk1, mq2, mk2, scale = inputs
-    ctx.save_for_backward(q, k, v, mask, mq1, mk1, mq2, mk2, output[1])
-    ctx.scale = scale
-    ctx.want = [bool(ctx.needs_input_grad[i]) for i in (4, 5, 6, 7)]
-
-
-def _backward(ctx, grad: Tensor, _grad_lse: Optional[Tensor]):
-    q, k, v, mask, mq1, mk1, mq2, mk2, lse = ctx.saved_tensors
-    grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, lse, ctx.scale, ctx.want)
-    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), ctx.want))
-    dq, dk, dv, d1, d2, d3, d4 = [None if t is None else g for g, t in zip(grads, wanted)]
-    return dq, dk, dv, None, d1, d2, d3, d4, None
-
-
-_attention_op.register_autograd(_backward, setup_context=_setup)
-
-
-def composed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], pre: Stage,
-                       post: Stage, scale: float = 1.0) -> Tensor:
-    """The fused core: (B, H, T, D), a view of a (B, T, H, D) tensor (heads merge for free).
-
-    q, k, v (B, H, N, D); mask additive (broadcast to (B, H, T, S)) or None; pre/post:
-    ``(mq, mk)`` per stage or ``(None, None)`` for an absent stage. Differentiable in q, k,
-    v and the matrices.
-    """
-    out, _ = _attention_op(q, k, v, mask, pre[0], pre[1], post[0], post[1], float(scale))
-    return out.transpose(1, 2)
+    return [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
