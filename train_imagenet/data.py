@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
 from timm.data.distributed_sampler import RepeatAugSampler
 
-from dcvit.schema import IMAGE_EXTENSIONS, ShardMeta, metadata_path, split_of
+from dcvit.schema import IMAGE_EXTENSIONS, LABEL_EXTENSION, ShardMeta, metadata_path, split_of
 
 from .config import Config
 from .shard_check import check_shards
@@ -218,10 +218,9 @@ def _decode(sample: Dict[str, Any]) -> Tuple[Image.Image, int]:
     ext = next((e for e in IMAGE_EXTENSIONS if e in sample), None)
     if ext is None:
         raise ValueError(f"no image member ({'/'.join(IMAGE_EXTENSIONS)}) in sample")
-    if "cls" not in sample:
-        raise ValueError("no .cls member in sample")
-    label = int(sample["cls"])
-    return _IMAGE(ext, sample[ext]), label
+    if LABEL_EXTENSION not in sample:
+        raise ValueError(f"no .{LABEL_EXTENSION} member in sample")
+    return _IMAGE(ext, sample[ext]), int(sample[LABEL_EXTENSION])
 
 
 def _read_tar(shard: str) -> Iterator[Dict[str, Any]]:
