@@ -11,6 +11,12 @@ kernels run on torch's worker threads; with plain threads otherwise. When no com
 once and returns False, and `dcvit.fused` uses its pure-PyTorch path. Set
 ``DCVIT_NO_CPP_KERNEL=1`` to skip it.
 
+Built for the best instruction set the CPU has (`isa`, from /proc/cpuinfo's flags): ``avx512``
+(64-byte vectors, a 12-row GEMM register tile for its 32 registers), ``avx2`` (32-byte
+vectors, 6 rows) or ``generic``; each is its own cached library. ``DCVIT_CPU_ISA=avx2`` (or
+``avx512``, ``generic``) forces one, e.g. to test or time the AVX2 build on an AVX-512
+machine; a process loads one of them (the operators are registered once).
+
 Operators (float32 and float64 CPU tensors; see ``csrc/compose_cpu.cpp``), each one call::
 
     dcvit_cpu::attention_forward(q, k, v, mask?, mq1?, mk1?, mq2?, mk2?, scale) -> out (B, T, H, D)
@@ -25,7 +31,7 @@ custom ops of `dcvit.fused` and `dcvit.matrices`, which own the autograd and fak
 rules; a CUDA kernel plugs into those ops the same way (see `dcvit.fused.register_core`).
 
 One "row" is (b, t): the scores of every head of one query against all S keys, an (H, S)
-block that is composed, soft-maxed and composed again in 32-byte vectors. Each Compose stage
+block that is composed, soft-maxed and composed again in vectors. Each Compose stage
 applies, per key s, the H×H map ``out[h, s] = sum_g in[g, s] * (mq[b, t, g, h] + mk[b, s, g, h])``.
 """
 import contextlib
@@ -37,11 +43,11 @@ import stat
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["load", "available", "MAX_HEADS"]
+__all__ = ["load", "available", "isa", "ISAS", "MAX_HEADS"]
 
 MAX_HEADS = 64   # kMaxHeads of csrc/rows.h: more heads run the PyTorch rows
 
@@ -50,14 +56,48 @@ _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _state: Dict[str, Any] = {}
 
 
-def _cpu_flags() -> List[str]:
-    """Vector flags the build machine supports (each flag set is built apart)."""
+# The instruction sets the kernels are built for, best first: the /proc/cpuinfo flags each
+# needs and the compiler flags it is built with. "generic" is the compiler's baseline.
+ISAS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
+    "avx512": (("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx2", "fma"),
+               ("-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma",
+                "-mprefer-vector-width=512")),
+    "avx2": (("avx2", "fma"), ("-mavx2", "-mfma")),
+    "generic": ((), ()),
+}
+ISA_ENV = "DCVIT_CPU_ISA"
+
+
+def _cpuinfo_flags() -> List[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     except OSError:
         return []
-    return ["-mavx2", "-mfma"] if "avx2" in flags and "fma" in flags else []
+
+
+def isa(cpu_flags: Optional[List[str]] = None) -> str:
+    """The instruction set the kernels are built for: ``$DCVIT_CPU_ISA`` if set (``avx512``,
+    ``avx2`` or ``generic``; one the CPU lacks is refused), else the best the CPU has."""
+    have = set(_cpuinfo_flags() if cpu_flags is None else cpu_flags)
+    supported = [name for name, (needs, _) in ISAS.items() if have.issuperset(needs)]
+    forced = os.environ.get(ISA_ENV, "")
+    if not forced:
+        return supported[0]
+    if forced not in ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r} is not an instruction set of the kernels; "
+                         f"use one of {', '.join(ISAS)} or unset it")
+    if forced not in supported:
+        missing = sorted(set(ISAS[forced][0]) - have)
+        raise ValueError(f"{ISA_ENV}={forced!r}, but this CPU lacks {', '.join(missing)}; "
+                         f"use one of {', '.join(supported)} or unset it")
+    return forced
+
+
+def _cpu_flags() -> List[str]:
+    """Compiler flags of the selected instruction set (each set is built apart)."""
+    return list(ISAS[isa()][1])
 
 
 def _shares_torch_openmp() -> bool:
@@ -107,7 +147,8 @@ def _library_name(openmp: bool) -> str:
     """One build (directory and library) per threading and vector-flag variant and per source
     text: checkouts with the same sources share it."""
     text = hashlib.sha1(b"".join(n.encode() + b"\0" + d for n, d in _source_files().items()))
-    return ("dcvit_cpu_" + ("omp" if openmp else "threads") + ("_avx2" if _cpu_flags() else "")
+    tag = isa()
+    return ("dcvit_cpu_" + ("omp" if openmp else "threads") + ("" if tag == "generic" else "_" + tag)
             + "_" + text.hexdigest()[:10])
 
 
@@ -172,6 +213,7 @@ def load() -> bool:
         return _state["ok"]
     ok = False
     if os.environ.get("DCVIT_NO_CPP_KERNEL", "") in ("", "0"):
+        isa()                             # a bad $DCVIT_CPU_ISA is the user's error: raise it
         reason = ""
         for openmp in ([True, False] if _shares_torch_openmp() else [False]):
             try:

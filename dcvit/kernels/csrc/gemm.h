@@ -8,9 +8,10 @@ namespace dcvit {
 // ---- GEMM for the attention core's small products (head dim x keys x queries, in cache).
 // C (m, n) = alpha A B (+ C when acc), with A(i, k) = A[i ai + k] (ROWS) or A[i + k ak] (the
 // transposed operand), read as broadcasts; B(k, j) = B[k bk + j bj] packed NR = 2 L columns
-// at a time into a (K, NR) panel; C(i, j) = C[i ldc + j]. A 6 x NR register tile: 12
-// accumulators, 2 panel loads and 6 broadcasts per k.
-constexpr int64_t kMR = 6;
+// at a time into a (K, NR) panel; C(i, j) = C[i ldc + j]. A kMR x NR register tile: 2 kMR
+// accumulators, 2 panel loads and kMR broadcasts per k; kMR = 6 fills AVX2's 16 registers,
+// 12 AVX-512's 32.
+constexpr int64_t kMR = kVecBytes == 64 ? 12 : 6;
 
 template <typename T, int MR, bool ROWS>
 inline void gemm_tile(const T* __restrict a, int64_t as, const T* __restrict bp, int64_t K,
@@ -90,6 +91,16 @@ int64_t panels_size(int64_t K, int64_t n) {
   return (n + NR - 1) / NR * NR * K;
 }
 
+// The last rows < kMR rows of C: a tile of exactly `rows` (1 <= rows <= MR) rows.
+template <typename T, int MR, bool ROWS>
+inline void gemm_rest(int64_t rows, const T* a, int64_t as, const T* bp, int64_t K, T* c,
+                      int64_t ldc, int64_t nc, T alpha, bool acc) {
+  if constexpr (MR >= 1) {
+    if (rows == MR) gemm_tile<T, MR, ROWS>(a, as, bp, K, c, ldc, nc, alpha, acc);
+    else gemm_rest<T, MR - 1, ROWS>(rows, a, as, bp, K, c, ldc, nc, alpha, acc);
+  }
+}
+
 template <typename T, bool ROWS>
 void gemm_panels(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t as,
                  const T* panels, T* C, int64_t ldc, bool acc) {
@@ -101,16 +112,7 @@ void gemm_panels(int64_t m, int64_t n, int64_t K, T alpha, const T* A, int64_t a
     int64_t i = 0;
     for (; i + kMR <= m; i += kMR)
       gemm_tile<T, kMR, ROWS>(A + i * ai, as, panel, K, C + i * ldc + j0, ldc, nc, alpha, acc);
-    const T* a = A + i * ai;
-    T* c = C + i * ldc + j0;
-    switch (m - i) {
-      case 5: gemm_tile<T, 5, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
-      case 4: gemm_tile<T, 4, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
-      case 3: gemm_tile<T, 3, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
-      case 2: gemm_tile<T, 2, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
-      case 1: gemm_tile<T, 1, ROWS>(a, as, panel, K, c, ldc, nc, alpha, acc); break;
-      default: break;
-    }
+    if (i < m) gemm_rest<T, kMR - 1, ROWS>(m - i, A + i * ai, as, panel, K, C + i * ldc + j0, ldc, nc, alpha, acc);
   }
 }
 

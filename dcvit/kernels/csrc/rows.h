@@ -1,5 +1,5 @@
 // Rows of the attention: one query's (H, S) block of every head, composed, masked and
-// soft-maxed in 32-byte vectors, and the per-thread buffers around them.
+// soft-maxed in vectors (simd.h: 32 or 64 bytes), and the per-thread buffers around them.
 #pragma once
 
 #include <limits>

@@ -14,11 +14,18 @@
 
 namespace dcvit {
 
-// 32-byte vectors through GCC/Clang vector extensions (AVX2 registers where the CPU has them;
-// the compiler splits them elsewhere). L lanes of T.
-template <typename T> struct VecOf { typedef T type __attribute__((vector_size(32))); };
+// Vectors through GCC/Clang vector extensions, as wide as the build's registers: 64 bytes
+// when built for AVX-512 (zmm, 32 of them), else 32 bytes (AVX2's ymm, 16 of them; the
+// compiler splits them where the build has neither). L lanes of T.
+#if defined(__AVX512F__)
+#define DCVIT_VEC_BYTES 64
+#else
+#define DCVIT_VEC_BYTES 32
+#endif
+constexpr int64_t kVecBytes = DCVIT_VEC_BYTES;
+template <typename T> struct VecOf { typedef T type __attribute__((vector_size(DCVIT_VEC_BYTES))); };
 template <typename T> using Vec = typename VecOf<T>::type;
-template <typename T> constexpr int64_t lanes() { return 32 / sizeof(T); }
+template <typename T> constexpr int64_t lanes() { return kVecBytes / sizeof(T); }
 template <typename T> inline Vec<T> vload(const T* p) { Vec<T> v; std::memcpy(&v, p, sizeof v); return v; }
 template <typename T> inline void vstore(T* p, Vec<T> v) { std::memcpy(p, &v, sizeof v); }
 template <typename T> inline Vec<T> vsplat(T x) { return x - Vec<T>{}; }   // x - 0 == x, folds to a broadcast
