@@ -42,7 +42,9 @@ CORES = ("auto", "torch", "reference")
 def build(family, **kwargs):
     name, args = FAMILIES[family]
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False, num_classes=10, **{**args, **kwargs}).eval()
+    # drop_path_rate=0: deterministic in train mode too (Swin's default is 0.1)
+    model = timm.create_model(name, pretrained=False, num_classes=10,
+                              **{**args, "drop_path_rate": 0.0, **kwargs}).eval()
     with torch.no_grad():  # weights far from timm's init (zero biases, tiny heads) so every term counts
         for key, p in model.named_parameters():
             if p.dim() >= 2:
