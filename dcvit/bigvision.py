@@ -96,11 +96,14 @@ class BigVisionViT(VisionTransformer):
         super().__init__(**kwargs)
         del self.pos_embed                                   # None; becomes the fixed buffer
         h, w = self.patch_embed.grid_size
-        self.register_buffer("pos_embed", posemb_sincos_2d(h, w, self.embed_dim), persistent=False)
+        ref = self.patch_embed.proj.weight                  # the device and dtype the model is built with
+        self.register_buffer("pos_embed", posemb_sincos_2d(h, w, self.embed_dim, dtype=ref.dtype).to(ref.device),
+                             persistent=False)
         self.rep_size = bool(rep_size)
         if self.rep_size:
             self.pre_logits = nn.Sequential()
-            self.pre_logits.add_module("fc", nn.Linear(self.embed_dim, self.embed_dim))
+            self.pre_logits.add_module("fc", nn.Linear(self.embed_dim, self.embed_dim, device=ref.device,
+                                                       dtype=ref.dtype))
             self.pre_logits.add_module("act", nn.Tanh())
         else:
             self.pre_logits = nn.Identity()

@@ -195,6 +195,18 @@ def test_pruning_the_head_removes_pre_logits(name):
     assert isinstance(rep.pre_logits, torch.nn.Sequential)
 
 
+@pytest.mark.parametrize("name", ["vit_small_patch16_bv_224", "dcvit_small_patch16_bv_224"])
+def test_built_on_the_requested_device_and_dtype(name):
+    """The sin-cos buffer follows ``device=``/``dtype=`` as the parameters do (timm builds on
+    the meta device to read a model's shapes)."""
+    meta = timm.create_model(name, device="meta", **SMALL)
+    assert {t.device.type for t in [*meta.parameters(), *meta.buffers()]} == {"meta"}
+    assert meta(torch.empty(2, 3, 32, 32, device="meta")).shape == (2, 1000)
+    half = timm.create_model(name, dtype=torch.bfloat16, **SMALL)
+    assert half.pos_embed.dtype == torch.bfloat16
+    torch.testing.assert_close(half.pos_embed, posemb_sincos_2d(2, 2, 384).to(torch.bfloat16))
+
+
 def test_body_arguments_that_are_not_big_vision_are_refused():
     with pytest.raises(ValueError, match="class_token=True is not the big_vision body"):
         timm.create_model("vit_small_patch16_bv_224", class_token=True)
