@@ -56,6 +56,12 @@ T* ptr(const Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
+// A (B, H, N, D) operand with unit last stride as the kernels' strided view.
+template <typename T>
+Strided<const T> strided(const Tensor& t) {
+  return {ptr<T>(t), t.stride(0), t.stride(1), t.stride(2)};
+}
+
 struct Matrices {
   Tensor mq1, mk1, mq2, mk2;
   Matrices(const OptTensor& q1, const OptTensor& k1, const OptTensor& q2, const OptTensor& k2,
@@ -104,10 +110,7 @@ Tensor attention_forward(const Tensor& q_, const Tensor& k_, const Tensor& v_, c
   dispatch(dt, [&](auto zero) {
     using S_ = decltype(zero);
     const Dims n = dims<S_>(B, H, T, S);
-    const Operands<S_> o{{ptr<S_>(q), q.stride(0), q.stride(1), q.stride(2)},
-                         {ptr<S_>(k), k.stride(0), k.stride(1), k.stride(2)},
-                         {ptr<S_>(v), v.stride(0), v.stride(1), v.stride(2)}, D,
-                         static_cast<S_>(scale)};
+    const Operands<S_> o{strided<S_>(q), strided<S_>(k), strided<S_>(v), D, static_cast<S_>(scale)};
     const Strided<S_> view{ptr<S_>(out), T * H * D, D, H * D};          // (B, H, T, D) view
     with_heads<S_>(H, [&](auto rows) {
       rows.attention_forward(o, view, mv.get<S_>(), ptr<S_>(m.mq1), ptr<S_>(m.mk1),
@@ -138,10 +141,7 @@ std::vector<Tensor> attention_backward(const Tensor& grad_, const Tensor& q_, co
   dispatch(dt, [&](auto zero) {
     using S_ = decltype(zero);
     const Dims n = dims<S_>(B, H, T, S);
-    const Operands<S_> o{{ptr<S_>(q), q.stride(0), q.stride(1), q.stride(2)},
-                         {ptr<S_>(k), k.stride(0), k.stride(1), k.stride(2)},
-                         {ptr<S_>(v), v.stride(0), v.stride(1), v.stride(2)}, D,
-                         static_cast<S_>(scale)};
+    const Operands<S_> o{strided<S_>(q), strided<S_>(k), strided<S_>(v), D, static_cast<S_>(scale)};
     const int64_t gs[3] = {grad.stride(0), grad.stride(1), grad.stride(2)};
     with_heads<S_>(H, [&](auto rows) {
       rows.attention_backward(o, ptr<S_>(grad), gs, ptr<S_>(dq), ptr<S_>(dk), ptr<S_>(dv),
