@@ -96,21 +96,28 @@ def reference(shards, private_tmp):
     return out
 
 
-def test_ddp_two_processes_equal_one_with_same_global_batch(tmp_path):
+def _two_ranks_and_one(tmp_path, args, ddp_args=()):
+    """The same run on 64 digits (no augmentation, no drop path) as two torchrun ranks at
+    batch 8 (in tmp_path/ddp) and as one process at batch 16 (in tmp_path/one): the two final
+    checkpoints and the torchrun log."""
     x, y = digits(120)
     write_folder(str(tmp_path / "train"), x[:64], y[:64])
     write_folder(str(tmp_path / "val"), x[64:], y[64:])
     common = [f"data.train={tmp_path / 'train'}", f"data.val={tmp_path / 'val'}", *TINY,
               "aug.no_aug=true", "aug.mixup=0", "aug.cutmix=0", "aug.smoothing=0", "drop_path=0",
-              "epochs=2", "data.num_workers=0", "optim.clip_grad=1.0"]
-    _finish(_torchrun(["--standalone", "--nproc_per_node=2"],
-                      [*common, "batch_size=8", f"output_dir={tmp_path / 'ddp'}"]))
+              "data.num_workers=0", *args]
+    log = _finish(_torchrun(["--standalone", "--nproc_per_node=2"],
+                            [*common, "batch_size=8", *ddp_args, f"output_dir={tmp_path / 'ddp'}"]))
     n = torch.get_num_threads()
     try:
         assert main([*common, "batch_size=16", f"output_dir={tmp_path / 'one'}"]) == 0
     finally:
         torch.set_num_threads(n)
-    a, b = _final(tmp_path / "ddp"), _final(tmp_path / "one")
+    return _final(tmp_path / "ddp"), _final(tmp_path / "one"), log
+
+
+def test_ddp_two_processes_equal_one_with_same_global_batch(tmp_path):
+    a, b, _ = _two_ranks_and_one(tmp_path, ["epochs=2", "optim.clip_grad=1.0"])
     assert a["update"] == b["update"] == 8                       # 64 samples / 16 x 2 epochs
     diffs = [(a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]]
     assert max(diffs) < 1e-5, max(diffs)
@@ -156,20 +163,7 @@ def test_compiled_ddp_equals_eager_one_process(tmp_path):
     """compile=true under torchrun: the model is compiled, then wrapped in DDP (timm's order);
     two compiled processes with accumulation end where one eager process with the same global
     batch ends, so DDP's gradient sync (and its skip on the first micro-batch) works through it."""
-    x, y = digits(120)
-    write_folder(str(tmp_path / "train"), x[:64], y[:64])
-    write_folder(str(tmp_path / "val"), x[64:], y[64:])
-    common = [f"data.train={tmp_path / 'train'}", f"data.val={tmp_path / 'val'}", *TINY,
-              "aug.no_aug=true", "aug.mixup=0", "aug.cutmix=0", "aug.smoothing=0", "drop_path=0",
-              "epochs=1", "data.num_workers=0", "accum_steps=2"]
-    out = _finish(_torchrun(["--standalone", "--nproc_per_node=2"],
-                            [*common, "batch_size=8", "compile=true", f"output_dir={tmp_path / 'ddp'}"]))
-    n = torch.get_num_threads()
-    try:
-        assert main([*common, "batch_size=16", f"output_dir={tmp_path / 'one'}"]) == 0
-    finally:
-        torch.set_num_threads(n)
-    a, b = _final(tmp_path / "ddp"), _final(tmp_path / "one")
+    a, b, out = _two_ranks_and_one(tmp_path, ["epochs=1", "accum_steps=2"], ["compile=true"])
     assert a["config"]["compile"] is True and b["config"]["compile"] is False, out[-2000:]
     assert a["update"] == b["update"] == 2                       # 64 samples / (16 x 2)
     diffs = [(a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]]
