@@ -146,6 +146,9 @@ class Config:
     output_dir: str = "runs/default"
     seed: int = 0
     resume: str = ""                      # 'auto' (latest valid checkpoint), a path, or ''
+    resume_at_epoch_boundary: bool = False   # resume although the train data, global batch or
+                                          # world size changed: from the checkpoint's next epoch
+                                          # boundary, the schedule recomputed for this config
     checkpoint: str = ""                  # weights to evaluate (eval_only) or to start from
     eval_only: bool = False
     eval_every: int = 1                   # epochs between evaluations (the last always runs)
@@ -155,6 +158,9 @@ class Config:
     keep_checkpoints: int = 2
     log_every: int = 50                   # updates between loss checks and progress lines
     tensorboard: bool = False
+    dist_timeout: float = 3600            # seconds a rank waits in a collective for the others
+                                          # (start-up checks, evaluation, saves included) before
+                                          # the run stops with an error naming what it waited for
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> "Config":
@@ -169,9 +175,29 @@ class Config:
                     "aug.repeated_aug", "eval_every", "keep_checkpoints", "log_every"):
             if _get(self, key) < 1:
                 raise ConfigError(f"{key}={_get(self, key)!r} must be >= 1")
-        for key in ("data.num_workers", "data.shuffle_buffer", "save_every_steps", "threads"):
-            if _get(self, key) < 0:
-                raise ConfigError(f"{key}={_get(self, key)!r} must be >= 0")
+        for key in ("data.num_workers", "data.shuffle_buffer", "save_every_steps", "threads",
+                    "sched.warmup_epochs", "sched.warmup_lr", "sched.min_lr", "sched.cooldown_epochs",
+                    "optim.weight_decay", "optim.decoupled_weight_decay", "convert.weight_decay",
+                    "aug.color_jitter", "aug.mixup", "aug.cutmix"):
+            value = _get(self, key)
+            if value is not None and not value >= 0:
+                raise ConfigError(f"{key}={value!r} must be >= 0")
+        for key in ("optim.lr", "optim.lr_batch_size", "optim.eps", "optim.clip_grad",
+                    "dist_timeout", "data.crop_pct"):
+            value = _get(self, key)
+            if value is not None and not value > 0:   # 'not >' refuses NaN too
+                raise ConfigError(f"{key}={value!r} must be > 0")
+        for key in ("drop_path", "optim.momentum", "aug.hflip", "aug.reprob", "aug.mixup_prob",
+                    "aug.mixup_switch_prob", "ema.decay", "data.crop_pct"):
+            if not 0 <= _get(self, key) <= 1:
+                raise ConfigError(f"{key}={_get(self, key)!r} must be in [0, 1]")
+        if not 0 <= self.aug.smoothing < 1:
+            raise ConfigError(f"aug.smoothing={self.aug.smoothing!r} must be in [0, 1)")
+        for key, pair in (("aug.scale", self.aug.scale), ("optim.betas", self.optim.betas)):
+            if pair is not None and (len(pair) != 2 or not all(0 <= v <= 1 for v in pair)):
+                raise ConfigError(f"{key}={pair!r} must be two numbers in [0, 1]")
+        if not 0 < self.aug.scale[0] <= self.aug.scale[1]:
+            raise ConfigError(f"aug.scale={self.aug.scale!r} must be [min, max] with 0 < min <= max <= 1")
         if (self.aug.mixup > 0 or self.aug.cutmix > 0) and self.batch_size % 2:
             raise ConfigError(f"batch_size={self.batch_size} must be even for mixup/cutmix "
                               f"(timm.data.Mixup pairs samples); use {self.batch_size + 1} "
