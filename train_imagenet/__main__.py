@@ -15,10 +15,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import CheckpointError, load_latest, seed_all
+from .checkpoint import CheckpointError, list_checkpoints, load_latest, seed_all
 from .config import Config, ConfigError, load_config
 from .data import DataError, build_data, count_samples, is_remote, resolve_source
-from .distributed import DistInfo, broadcast_object, init_distributed, log_main, shutdown
+from .distributed import (DistInfo, broadcast_object, init_distributed, log_main, shutdown,
+                          timeout_message, waiting_for)
 from .engine import NonFiniteLoss
 from .finetune import conversion_to_apply
 from .model import build_model, input_norm
@@ -29,10 +30,12 @@ from .trainer import evaluate_checkpoint, train
 __all__ = ["main", "run"]
 
 
-def _on_main(info: DistInfo, fn: Callable[[], Any], error: Callable[[Exception], Exception]) -> Any:
-    """`fn()` on rank 0, its result broadcast to every rank; an exception there is broadcast
-    too (a user error as itself, anything else through `error`), so every rank raises it
-    instead of waiting forever in the next collective."""
+def _on_main(info: DistInfo, fn: Callable[[], Any], error: Callable[[Exception], Exception],
+             what: str) -> Any:
+    """`fn()` on rank 0 (`what` it does), its result broadcast to every rank; an exception
+    there is broadcast too (a user error as itself, anything else through `error`), so every
+    rank raises it instead of waiting in the next collective."""
+    waiting_for(f"rank 0's {what}")
     result: Any = None
     if info.is_main:
         try:
@@ -60,13 +63,15 @@ def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
             result["num_samples"] = given
         return result
     return _on_main(info, count, lambda e: DataError(
-        f"data.{split}={getattr(cfg.data, split)!r} cannot be read ({type(e).__name__}: {e})"))
+        f"data.{split}={getattr(cfg.data, split)!r} cannot be read ({type(e).__name__}: {e})"),
+        f"check of data.{split} (its shards and labels)")
 
 
 def _latest_checkpoint(run_dir: str, info: DistInfo) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
     """The newest checkpoint in `run_dir` that verifies, picked on rank 0 (damaged newer ones
     are set aside with a warning) and broadcast, so every rank loads the same file even if
     their views of the disk differ; (path, its content) on rank 0, (path, None) elsewhere."""
+    waiting_for("rank 0's choice of the checkpoint to resume from")
     path, state = load_latest(run_dir) if info.is_main else (None, None)
     return broadcast_object(path), state
 
@@ -78,13 +83,14 @@ def run(cfg: Config) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but no CUDA device is visible to this process "
                           "(torch.cuda.is_available() is False); use device=cpu or device=auto")
-    info = init_distributed(cfg.device)
+    info = init_distributed(cfg.device, cfg.dist_timeout)
     device = info.device
     if cfg.amp == "fp16" and device.type != "cuda":
         raise ConfigError("amp=fp16 needs a CUDA device (it uses a GradScaler); use amp=bf16 on CPU")
     held: List[RunLock] = []                    # rank 0's lock stays in its process
     _on_main(info, lambda: held.append(prepare_run_dir(cfg.output_dir)), lambda e: RunDirError(
-        f"output_dir={cfg.output_dir!r} cannot be used ({type(e).__name__}: {e})"))
+        f"output_dir={cfg.output_dir!r} cannot be used ({type(e).__name__}: {e})"),
+        "set-up of output_dir (its lock)")
     try:
         # The checkpoint this run loads (picked once; a damaged newest one is set aside) decides
         # whether it converts (a converted run's checkpoint converts again) and whether the
@@ -126,11 +132,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Exit codes: 0 done, 2 bad config/data/checkpoint/output directory, 3 non-finite loss,
-    each with a one-line message (and the traceback with --debug). Those errors are raised on
-    every rank alike, so the process group is closed cleanly; any other exception propagates
-    without closing it (closing could wait forever for a peer blocked in a collective), and
-    torchrun then stops the remaining ranks."""
+    4 a collective that waited longer than dist_timeout, each with a one-line message (and
+    the traceback with --debug). The errors of 2 and 3 are raised on every rank alike, so the
+    process group is closed cleanly; after a timeout, and for any other exception (which
+    propagates), it is not closed (closing could wait for a peer blocked in a collective),
+    and torchrun then stops the remaining ranks."""
     args = parse_args(argv)
+    cfg = None
     try:
         cfg = load_config(args.config, args.overrides + (["eval_only=true"] if args.eval_only else []))
         code = run(cfg)
@@ -144,6 +152,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except Exception as e:
+        line = timeout_message(e, cfg.dist_timeout if cfg else 0)
+        if line is None or args.debug:
+            raise
+        kept = list_checkpoints(cfg.output_dir) if cfg else []
+        print(f"error: {line}; the last checkpoint is {kept[-1] if kept else 'none yet'}",
+              file=sys.stderr, flush=True)
+        return 4
     shutdown()
     return code
 

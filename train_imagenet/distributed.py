@@ -1,14 +1,42 @@
-"""torch.distributed from torchrun's environment: gloo on CPU, NCCL on GPU; one process without it."""
+"""torch.distributed from torchrun's environment: gloo on CPU, NCCL on GPU; one process without it.
+
+Every collective waits at most ``dist_timeout`` seconds for the other ranks (the process
+group's timeout). What the ranks are waiting for is kept in `waiting_for` (set by the
+callers: the start-up checks, a loss check or gradient all-reduce of an update, an
+evaluation, a save), so a collective that times out (a rank stopped, hung or lost) ends the
+run with one line naming the rank and that (`timeout_message`), not a hang.
+"""
+import datetime
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["DistInfo", "init_distributed", "log_main", "barrier", "broadcast_object", "all_gather_object",
-           "all_reduce_mean", "shutdown"]
+           "all_reduce_mean", "shutdown", "waiting_for", "timeout_message"]
+
+_group = {"rank": 0, "what": "the start-up"}   # for `timeout_message`
+
+
+def waiting_for(what: str) -> None:
+    """Names what the next collectives of this rank wait for (for `timeout_message`)."""
+    _group["what"] = what
+
+
+def timeout_message(e: BaseException, timeout_s: float) -> Optional[str]:
+    """One line for a collective that timed out (gloo: "Timed out waiting ...", NCCL: a
+    DistBackendError), naming this rank and what it waited for; None for other errors."""
+    text = str(e)
+    timed_out = isinstance(e, getattr(dist, "DistBackendError", ())) and "timeout" in text.lower()
+    if not (timed_out or (isinstance(e, RuntimeError) and "Timed out waiting" in text)):
+        return None
+    return (f"rank {_group['rank']} waited more than dist_timeout={timeout_s:g} s for "
+            f"the other ranks in {_group['what']}: a rank stopped, hung or was lost. Restart the "
+            f"run (resume=auto continues from its last checkpoint); raise dist_timeout if that "
+            f"step legitimately takes longer")
 
 
 @dataclass
@@ -27,8 +55,9 @@ class DistInfo:
         return self.world_size > 1
 
 
-def init_distributed(device: str = "auto") -> DistInfo:
-    """Reads RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun); initialises the process group."""
+def init_distributed(device: str = "auto", timeout_s: float = 3600) -> DistInfo:
+    """Reads RANK/WORLD_SIZE/LOCAL_RANK (set by torchrun); initialises the process group,
+    whose collectives wait at most `timeout_s` seconds."""
     want_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' but no CUDA device is visible; use device=cpu")
@@ -44,11 +73,14 @@ def init_distributed(device: str = "auto") -> DistInfo:
         # torchrun can hand restarted workers the store of the failed attempt, where the dead
         # peers' addresses are still registered ("Connection refused" in Gloo's connectFullMesh);
         # keys under a per-attempt prefix are only ever those of live peers
-        store, _, _ = next(dist.rendezvous("env://"))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group("nccl" if want_cuda else "gloo",
                                 store=dist.PrefixStore(f"train_imagenet/attempt_{attempt}", store),
-                                rank=rank, world_size=world, device_id=dev if want_cuda else None)
+                                rank=rank, world_size=world, device_id=dev if want_cuda else None,
+                                timeout=timeout)
+    _group["rank"] = rank
     return DistInfo(rank, world, local, dev)
 
 
