@@ -4,8 +4,13 @@ A checkpoint is one ``torch.save`` dict (loadable with ``weights_only=True``):
 ``model``, ``ema``, ``optimizer``, ``scheduler``, ``scaler`` state dicts; ``epoch`` and
 ``batch`` (the next batch to run: (e, 0) at an epoch boundary), ``update`` (optimizer updates
 so far), ``rng`` (one entry per rank), ``config`` and ``arch`` ({model, model_kwargs,
-num_classes}). Files are ``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a
-temporary name and renamed, so a crash never leaves a half-written checkpoint under a real name.
+num_classes}); ``position`` (what ``batch`` means: the train data's identity, the global
+batch and the world size, see `start.position_of`), ``totals`` (the epoch's running sums
+for its log record, mid-epoch) and ``record`` (the train record of the epoch just finished,
+at an epoch boundary, logged once its evaluation is done). Files are
+``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a temporary name and
+renamed, so a crash never leaves a half-written checkpoint under a real name, and a write
+that fails (a full disk) leaves the previous checkpoints as they were.
 
 Every checkpoint carries ``checksum``: the SHA-256 of its content (each tensor's dtype, shape
 and bytes, every other value's type and repr, in order), checked whenever it is loaded, so
@@ -13,10 +18,12 @@ bytes altered on disk are found even where the file still unpickles. `load_lates
 back from the newest checkpoint past damaged ones, renaming each to ``*.pth.corrupt`` (kept
 for inspection, out of the rotation) with a warning that names it.
 """
+import errno
 import glob
 import hashlib
 import logging
 import os
+import pickle
 import random
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -28,7 +35,7 @@ from dcvit.io import atomic_write
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_latest",
            "list_checkpoints", "capture_rng", "restore_rng", "seed_all", "check_arch", "load_model_weights",
-           "content_digest"]
+           "content_digest", "load_error"]
 
 _NAME = re.compile(r"ckpt-e(\d+)-u(\d+)\.pth$")
 _logger = logging.getLogger(__name__)
@@ -100,17 +107,76 @@ def save_checkpoint(state: Dict[str, Any], run_dir: str, keep: int = 2) -> str:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, f"ckpt-e{state['epoch']:04d}-u{state['update']:08d}.pth")
     state = {**state, "checksum": {"sha256": content_digest(state)}}
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    try:
+        atomic_write(path, lambda tmp: _save(state, tmp))
+    except (OSError, RuntimeError) as e:
+        if not _out_of_space(e):
+            raise
+        kept = list_checkpoints(run_dir)
+        raise CheckpointError(
+            f"no space left on {_device_of(run_dir)} writing {path}; the previous checkpoint is "
+            f"kept ({kept[-1] if kept else 'none was saved yet'}). Free space there (or set "
+            f"output_dir elsewhere and copy the run), then resume=auto") from e
     for old in list_checkpoints(run_dir)[:-keep]:
         os.remove(old)
     return path
 
 
+def _out_of_space(e: Optional[BaseException]) -> bool:
+    """Whether `e` or an exception it was raised from is ENOSPC/EDQUOT (torch's writer raises a
+    RuntimeError while closing the file, from the OSError of the write)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _save(state: Dict[str, Any], tmp: str) -> None:
+    """torch.save through a Python file, so a failed write raises the OSError (with its errno)
+    rather than the C++ writer's generic error."""
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _device_of(path: str) -> str:
+    """The device (as /proc/mounts names it) and mount point of the file system of `path`."""
+    mount = os.path.realpath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    try:
+        with open("/proc/mounts") as f:
+            devices = {fields[1]: fields[0] for fields in (ln.split() for ln in f) if len(fields) > 1}
+    except OSError:
+        devices = {}
+    return f"{devices[mount]} (mounted on {mount})" if mount in devices else mount
+
+
 def list_checkpoints(run_dir: str) -> List[str]:
-    """Checkpoints in `run_dir`, oldest first (by update count)."""
-    found = [(int(m.group(2)), p) for p in glob.glob(os.path.join(run_dir, "ckpt-*.pth"))
+    """Checkpoints in `run_dir`, oldest first (by epoch, then update count: a run resumed at
+    an epoch boundary with fewer updates per epoch counts on from a lower update)."""
+    found = [(int(m.group(1)), int(m.group(2)), p)
+             for p in glob.glob(os.path.join(run_dir, "ckpt-*.pth"))
              if (m := _NAME.search(os.path.basename(p)))]
-    return [p for _, p in sorted(found)]
+    return [p for _, _, p in sorted(found)]
+
+
+def load_error(path: str, e: Exception, what: str = "checkpoint") -> CheckpointError:
+    """The CheckpointError for a file that does not load: a pickle refused by the weights-only
+    loader is named as not safe (never with torch's advice to load it unsafely), a damaged
+    .safetensors or zip as unreadable."""
+    if isinstance(e, pickle.UnpicklingError):
+        found = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:\n\n|$)", str(e), re.S)
+        reason = f" ({found.group(1).strip()})" if found else ""
+        return CheckpointError(
+            f"{what} {path!r} is not a safe checkpoint: it is a pickle holding more than tensors "
+            f"and plain values{reason}, and such a file is never unpickled (it could run code). "
+            f"Use a checkpoint of this package, a .safetensors file (dcvit.save_weights) or a "
+            f"torch.save'd state dict of tensors")
+    return CheckpointError(f"{what} {path!r} cannot be read: it is truncated or damaged "
+                           f"({type(e).__name__}: {' '.join(str(e).split())[:300]})")
 
 
 def load_checkpoint(path: str) -> Dict[str, Any]:
@@ -118,7 +184,7 @@ def load_checkpoint(path: str) -> Dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path!r} cannot be read ({type(e).__name__}: {e})") from e
+        raise load_error(path, e) from e
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path!r} holds a {type(state).__name__}, not a dict")
     saved = state.get("checksum")
