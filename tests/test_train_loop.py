@@ -93,7 +93,7 @@ def test_mean_loss_is_independent_of_the_window(pipe):
 def test_nan_caught_in_its_window_before_any_save(pipe, group, save_every):
     saved = []
 
-    def on_update(batch_done, update):
+    def on_update(batch_done, update, totals):
         if save_every and update % save_every == 0:
             saved.append(update)
     with pytest.raises(NonFiniteLoss, match=r"loss is nan at epoch 0, update 7 \(found at batch"):

@@ -43,6 +43,21 @@ class RunLog:
                     self.tb.add_scalar(k, v, record["epoch"])
             self.tb.flush()
 
+    def has_epoch(self, epoch: int) -> bool:
+        """Whether log.jsonl holds the record of `epoch` (a run stopped between an epoch's
+        checkpoint and its record did not write it)."""
+        path = os.path.join(self.run_dir, "log.jsonl")
+        if not os.path.exists(path):
+            return False
+        with open(path) as f:
+            for line in f:
+                try:
+                    if json.loads(line).get("epoch") == epoch:
+                        return True
+                except ValueError:      # a line cut short by a kill
+                    continue
+        return False
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()

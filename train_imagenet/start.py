@@ -1,20 +1,30 @@
 """Where training starts: on from a run's checkpoint (``resume``: model, optimizer, schedule,
 scaler, position and RNG states, its architecture checked) or from weights (``checkpoint=``:
-a checkpoint of this package, a ``.safetensors`` or a ``.pth`` state dict)."""
+a checkpoint of this package, a ``.safetensors`` or a ``.pth`` state dict).
+
+A checkpoint's position (epoch, batch, update) means something only for the run that saved
+it: the batch index counts batches of its data order (the train data, the batch size per
+process, the accumulation and the world size) and the update count places it on its
+schedule. Every checkpoint records them (`position_of`); a resume that changes them is
+refused before anything is loaded, unless ``resume_at_epoch_boundary=true`` asks to continue
+from the checkpoint's next epoch boundary with this run's data and schedule.
+"""
 import os
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
-from .checkpoint import CheckpointError, check_arch, load_checkpoint, load_model_weights
+from .checkpoint import CheckpointError, check_arch, load_checkpoint, load_error, load_model_weights
 from .config import Config
+from .data import is_remote, resolve_source
 from .distributed import DistInfo, log_main
+from .engine import EpochTotals
 from .finetune import arch_entry
 from .recipe import Recipe
 
-__all__ = ["Start", "arch_of", "load_start_weights", "start_training"]
+__all__ = ["Start", "arch_of", "position_of", "load_start_weights", "start_training"]
 
 
 @dataclass
@@ -26,6 +36,7 @@ class Start:
     rng_state: Optional[Dict[str, Any]] = None   # this rank's RNG states at that point
     resumed_from: str = ""
     state: Optional[Dict[str, Any]] = None       # the checkpoint's content
+    totals: Optional[EpochTotals] = None         # the epoch's running sums up to `batch`
 
 
 def arch_of(cfg: Config) -> Dict[str, Any]:
@@ -34,6 +45,54 @@ def arch_of(cfg: Config) -> Dict[str, Any]:
     if cfg.convert.enabled:
         arch["convert"] = arch_entry(cfg)
     return arch
+
+
+def position_of(cfg: Config, num_samples: int, world_size: int) -> Dict[str, Any]:
+    """What a checkpoint's batch index and update count depend on: the train data (its shard
+    names and sizes, or an ImageFolder's root, and its sample count), the batch size per
+    process, the accumulation and the world size."""
+    src = resolve_source(cfg.data.train, "data.train")
+    if src.kind == "wds":
+        data: Dict[str, Any] = {"shards": [os.path.basename(s) for s in src.shards],
+                                "bytes": [None if is_remote(s) else os.path.getsize(s)
+                                          for s in src.shards]}
+    else:
+        data = {"folder": os.path.basename(os.path.normpath(src.root))}
+    data["num_samples"] = num_samples
+    return {"train_data": data, "batch_size": cfg.batch_size, "accum_steps": cfg.accum_steps,
+            "world_size": world_size}
+
+
+def _describe_data(d: Dict[str, Any]) -> str:
+    if "shards" in d:
+        names = d["shards"]
+        span = names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
+        return f"{len(names)} shards ({span}, {sum(b or 0 for b in d['bytes']):,} bytes), " \
+               f"{d['num_samples']} samples"
+    return f"ImageFolder {d.get('folder')!r}, {d['num_samples']} samples"
+
+
+def _position_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
+    """What differs between a checkpoint's position and this run's, in words."""
+    changes = []
+    a, b = saved.get("train_data"), now["train_data"]
+    if a != b:
+        if a and b and a.get("shards") == b.get("shards") and "bytes" in a and "bytes" in b:
+            odd = [f"{n} {x} -> {y} bytes" for n, x, y in zip(a["shards"], a["bytes"], b["bytes"])
+                   if x != y]
+            changes.append(f"data.train: the shards were rewritten ({', '.join(odd[:3])}"
+                           f"{', ...' if len(odd) > 3 else ''}; {a['num_samples']} -> "
+                           f"{b['num_samples']} samples)")
+        else:
+            changes.append(f"data.train: {_describe_data(a) if a else '?'} -> {_describe_data(b)}")
+    for key, name in (("batch_size", "batch_size (per process)"), ("accum_steps", "accum_steps"),
+                      ("world_size", "world size (processes)")):
+        if saved.get(key) != now[key]:
+            changes.append(f"{name}: {saved.get(key)} -> {now[key]}")
+    if any(saved.get(k) != now[k] for k in ("batch_size", "accum_steps", "world_size")):
+        g = lambda p: p.get("batch_size", 0) * p.get("accum_steps", 0) * p.get("world_size", 0)
+        changes.append(f"global batch {g(saved)} -> {g(now)}")
+    return changes
 
 
 def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Optional[Dict[str, Any]]:
@@ -59,16 +118,32 @@ def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Option
             return None
     try:
         dcvit.load_weights(model, path)
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:
+        if not _is_fit_error(e):
+            raise load_error(path, e, "checkpoint=") from e
         raise CheckpointError(f"checkpoint={path!r} does not fit model={cfg.model!r} with "
                               f"model_kwargs={dict(cfg.model_kwargs)}: {e}") from e
     return None
 
 
+def _is_fit_error(e: Exception) -> bool:
+    """A file that was read but does not fit the model (dcvit raises ValueError/RuntimeError
+    naming the tensors), as opposed to a file that cannot be read at all."""
+    import pickle
+    from safetensors import SafetensorError
+    return isinstance(e, (ValueError, RuntimeError)) and not isinstance(
+        e, (pickle.UnpicklingError, SafetensorError)) and "PytorchStreamReader" not in str(e)
+
+
 def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: DistInfo,
-                   path: str, state: Optional[Dict[str, Any]]) -> Start:
+                   path: str, state: Optional[Dict[str, Any]], position: Dict[str, Any],
+                   updates_per_epoch: int) -> Start:
     """Loads `path` (resume; `state` is its content when rank 0 already read it) into the
-    model and the recipe, or `checkpoint=` weights into the model; returns the position."""
+    model and the recipe, or `checkpoint=` weights into the model; returns the position.
+
+    A checkpoint saved with another `position` (`position_of`) is refused, or with
+    ``resume_at_epoch_boundary`` continued from its next epoch boundary: the update count is
+    that epoch's on this run's schedule (`updates_per_epoch`), the RNG streams fresh."""
     if path:
         state = state or load_checkpoint(path)
         missing = [k for k in ("model", "optimizer", "scheduler", "epoch", "batch", "update")
@@ -78,14 +153,38 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
                                   f"{', '.join(missing)}); to start from its weights set "
                                   f"checkpoint={path} instead")
         check_arch(state, arch_of(cfg), path)
+        changes = _position_changes(state["position"], position) if "position" in state else []
+        if changes and not cfg.resume_at_epoch_boundary:
+            raise CheckpointError(
+                f"resume={path!r} is a checkpoint of another run: its position (epoch "
+                f"{state['epoch']}, batch {state['batch']}, update {state['update']}) counts "
+                f"batches and updates of other data or batches; changed: {'; '.join(changes)}. "
+                f"Restore the run's settings to continue it, start a new run in another "
+                f"output_dir, or set resume_at_epoch_boundary=true to continue from its weights "
+                f"at the next epoch boundary with this run's data and schedule")
+        if "position" not in state:
+            log_main(info, f"{path} does not record its data and batch size (saved by an older "
+                           f"version): they are not checked")
         load_model_weights(model, state["model"], path)
         recipe.optimizer.load_state_dict(state["optimizer"])
-        recipe.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             recipe.scaler.load_state_dict(state["scaler"])
+        if changes:   # resume_at_epoch_boundary: this run's schedule, from the next boundary
+            epoch = state["epoch"] + (1 if state["batch"] else 0)
+            start = Start(epoch, 0, epoch * updates_per_epoch, None, path, state)
+            log_main(info, f"resume_at_epoch_boundary=true: {path} was saved with other "
+                           f"settings ({'; '.join(changes)}); continuing from the start of "
+                           f"epoch {epoch} (update {start.update} of this run's schedule) with "
+                           f"its weights and optimizer state and fresh RNG streams"
+                           + (f"; the rest of epoch {state['epoch']} is skipped"
+                              if state["batch"] else ""))
+            return start
+        recipe.scheduler.load_state_dict(state["scheduler"])
         rngs = state.get("rng") or []
+        totals = state.get("totals")
         start = Start(state["epoch"], state["batch"], state["update"],
-                      rngs[info.rank] if len(rngs) == info.world_size else None, path, state)
+                      rngs[info.rank] if len(rngs) == info.world_size else None, path, state,
+                      EpochTotals.from_saved(totals, info.rank) if totals else None)
         if len(rngs) != info.world_size:
             log_main(info, f"checkpoint has RNG states of {len(rngs)} ranks, this run has "
                            f"{info.world_size}: continuing with fresh RNG streams")

@@ -1,6 +1,10 @@
 """The runs after their checks. Training: the recipe, the start position, the epoch loop with
 its checkpoints (mid-epoch and per epoch, each written before the epoch is evaluated), the
-logs and the results. ``--eval-only``: the results of one checkpoint."""
+logs and the results. ``--eval-only``: the results of one checkpoint.
+
+No record is lost across a restart: a mid-epoch checkpoint carries the epoch's running sums,
+and an epoch's checkpoint carries the epoch's train record, which a run resumed from it
+evaluates (when due) and logs if the interrupted run did not get to."""
 import os
 import sys
 from typing import Any, Dict, Optional
@@ -11,12 +15,13 @@ from .checkpoint import (CheckpointError, capture_rng, load_latest, load_model_w
                          save_checkpoint, seed_all)
 from .config import Config, config_to_dict, save_config
 from .data import DataPipe
-from .distributed import DistInfo, all_gather_object, log_main
-from .engine import NonFiniteLoss, StepOptions, evaluate, peak_memory_mb, train_one_epoch
+from .distributed import DistInfo, all_gather_object, broadcast_object, log_main, waiting_for
+from .engine import (EpochTotals, NonFiniteLoss, StepOptions, evaluate, peak_memory_mb,
+                     train_one_epoch)
 from .logs import RunLog
 from .recipe import build_recipe
 from .results import evaluate_both, write_epoch_results, write_results
-from .start import arch_of, load_start_weights, start_training
+from .start import arch_of, load_start_weights, position_of, start_training
 
 __all__ = ["train", "evaluate_checkpoint", "write_config", "CRASH_EXIT_CODE"]
 
@@ -41,7 +46,9 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
     if cfg.grad_checkpointing:
         model.set_grad_checkpointing(True)
     recipe = build_recipe(cfg, model, train_data.batches_per_epoch, info.world_size)
-    start = start_training(cfg, model, recipe, info, path, state)
+    position = position_of(cfg, train_data.num_samples, info.world_size)
+    start = start_training(cfg, model, recipe, info, path, state, position,
+                           train_data.batches_per_epoch // cfg.accum_steps)
     ema = None  # made after loading, so it starts from the loaded weights
     if cfg.ema.enabled:
         ema = ModelEmaV3(model, decay=cfg.ema.decay, use_warmup=cfg.ema.warmup)
@@ -58,23 +65,39 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
         train_model = torch.nn.parallel.DistributedDataParallel(
             train_model, device_ids=[info.local_rank] if device.type == "cuda" else None)
 
-    def save(epoch_: int, batch_: int, update_: int) -> str:
-        rngs = all_gather_object(capture_rng())  # collective: every rank calls it
-        if not info.is_main:
-            return ""
-        return save_checkpoint({
-            "model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
-            "optimizer": recipe.optimizer.state_dict(), "scheduler": recipe.scheduler.state_dict(),
-            "scaler": recipe.scaler.state_dict() or None, "epoch": epoch_, "batch": batch_,
-            "update": update_, "rng": rngs, "arch": arch_of(cfg), "config": config_to_dict(cfg),
-        }, run_dir, cfg.keep_checkpoints)
+    def save(epoch_: int, batch_: int, update_: int, totals: Optional[EpochTotals] = None,
+             record: Optional[Dict[str, Any]] = None) -> str:
+        """Rank 0 writes the checkpoint; a refused write (a full disk) is raised on every rank."""
+        waiting_for(f"the RNG states for the checkpoint of epoch {epoch_}, update {update_}")
+        gathered = all_gather_object((capture_rng(), totals.skipped if totals else 0))
+        result: Any = ""
+        if info.is_main:
+            try:
+                result = save_checkpoint({
+                    "model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
+                    "optimizer": recipe.optimizer.state_dict(),
+                    "scheduler": recipe.scheduler.state_dict(),
+                    "scaler": recipe.scaler.state_dict() or None, "epoch": epoch_, "batch": batch_,
+                    "update": update_, "rng": [g[0] for g in gathered], "arch": arch_of(cfg),
+                    "config": config_to_dict(cfg), "position": position,
+                    "totals": totals.to_saved([g[1] for g in gathered]) if totals else None,
+                    "record": record,
+                }, run_dir, cfg.keep_checkpoints)
+            except CheckpointError as e:
+                result = e
+        if info.enabled:
+            waiting_for(f"rank 0's save of the checkpoint of epoch {epoch_}, update {update_}")
+            result = broadcast_object(result)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     current_epoch = [start.epoch]
 
-    def on_update(batch_done: int, update_: int) -> None:
+    def on_update(batch_done: int, update_: int, totals: EpochTotals) -> None:
         if cfg.save_every_steps and update_ % cfg.save_every_steps == 0 \
                 and batch_done < train_data.batches_per_epoch:
-            save(current_epoch[0], batch_done, update_)
+            save(current_epoch[0], batch_done, update_, totals)
         if cfg.debug.crash_at_step == update_ and not start.resumed_from:
             log_main(info, f"debug.crash_at_step={update_}: exiting hard (simulated failure)")
             os._exit(CRASH_EXIT_CODE)
@@ -93,11 +116,32 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
     metrics: Dict[str, float] = {}
     ema_metrics: Optional[Dict[str, float]] = None
     epoch, start_batch, update, rng_state = start.epoch, start.batch, start.update, start.rng_state
+    totals = start.totals
     last_path = start.resumed_from
-    if last_path and start_batch == 0 and epoch in cfg.eval_epochs and not os.path.exists(
-            os.path.join(run_dir, f"eval-e{epoch:04d}.json")):  # its evaluation did not finish
-        m, m_ema = evaluate_both(cfg, model, ema, val, device)
-        write_epoch_results(cfg, info, epoch, m, m_ema, last_path)
+
+    def finish_epoch(record: Dict[str, Any]) -> None:
+        """Evaluates the epoch just trained (when due) and logs its record."""
+        nonlocal metrics, ema_metrics
+        done = record["epoch"] + 1
+        if done % cfg.eval_every == 0 or done == cfg.epochs or done in cfg.eval_epochs:
+            waiting_for(f"the evaluation after epoch {record['epoch']}")
+            metrics, ema_metrics = evaluate_both(cfg, model, ema, val, device)
+            record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
+            if ema_metrics is not None:
+                record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
+            write_epoch_results(cfg, info, done, metrics, ema_metrics, last_path)
+        record["peak_mem_mb"] = peak_memory_mb(device)
+        runlog.epoch(record)
+        log_main(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                for k, v in record.items()))
+
+    pending = start.state.get("record") if start.state and start_batch == 0 else None
+    if pending is not None and pending.get("epoch") == epoch - 1:
+        waiting_for("rank 0's reading of log.jsonl")   # the epoch was saved; was it logged?
+        if not broadcast_object(runlog.has_epoch(pending["epoch"]) if info.is_main else None):
+            log_main(info, f"epoch {pending['epoch']} was saved but not logged (the run stopped "
+                           f"before): evaluating and logging it now")
+            finish_epoch(dict(pending))
     for epoch in range(epoch, cfg.epochs):
         current_epoch[0] = epoch
         try:
@@ -105,32 +149,26 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
                 train_model, train_data, epoch, optimizer=recipe.optimizer,
                 scheduler=recipe.scheduler, loss_fn=recipe.loss_fn, device=device, opts=opts,
                 update=update, start_batch=start_batch, rng_state=rng_state, mixup=recipe.mixup,
-                ema=ema, scaler=recipe.scaler, on_update=on_update)
+                ema=ema, scaler=recipe.scaler, totals=totals, on_update=on_update)
         except NonFiniteLoss as e:
             if not info.is_main:
                 raise NonFiniteLoss(f"{e}. Rank 0 names the last good checkpoint") from e
             good = load_latest(run_dir, set_aside=False)[0]
             raise NonFiniteLoss(f"{e}. The last good checkpoint is "
                                 f"{good or 'none (none was saved yet)'}") from e
-        update, start_batch, rng_state = stats.pop("updates"), 0, None
+        update, start_batch, rng_state, totals = stats.pop("updates"), 0, None, None
         record: Dict[str, Any] = {"epoch": epoch, **stats}
+        waiting_for(f"the corrupt-sample counts of epoch {epoch}")
         total_skipped = sum(all_gather_object(record["corrupt_skipped"]))
         record["corrupt_skipped"] = total_skipped
         if total_skipped:
             log_main(info, f"epoch {epoch}: skipped {total_skipped} corrupt samples")
-        last_path = save(epoch + 1, 0, update) or last_path  # before evaluating: keep the epoch
-        if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs or epoch + 1 in cfg.eval_epochs:
-            metrics, ema_metrics = evaluate_both(cfg, model, ema, val, device)
-            record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
-            if ema_metrics is not None:
-                record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
-            write_epoch_results(cfg, info, epoch + 1, metrics, ema_metrics, last_path)
-        record["peak_mem_mb"] = peak_memory_mb(device)
-        runlog.epoch(record)
-        log_main(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                for k, v in record.items()))
+        # saved before evaluating, with the record: a stop during evaluation loses nothing
+        last_path = save(epoch + 1, 0, update, record=record) or last_path
+        finish_epoch(record)
     if not metrics and start.resumed_from and epoch >= cfg.epochs:
-        # resumed from the final checkpoint (its evaluation did not finish): evaluate it now
+        # resumed from the final checkpoint, its record logged but eval.json not written
+        waiting_for(f"the final evaluation of {start.resumed_from}")
         metrics, ema_metrics = evaluate_both(cfg, model, ema, val, device)
         log_main(info, f"final evaluation of {start.resumed_from}: top1 {metrics['top1']:.2f}")
     runlog.close()
@@ -146,6 +184,7 @@ def evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info
         raise CheckpointError(f"eval_only needs checkpoint=PATH (no checkpoint in {cfg.output_dir!r})")
     state = load_start_weights(model, path, cfg) or {}
     write_config(cfg, info)
+    waiting_for(f"the evaluation of {path}")
     metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
     ema_metrics = None
     log_main(info, f"{path}: top1 {metrics['top1']:.2f} top5 {metrics['top5']:.2f} "
