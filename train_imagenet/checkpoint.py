@@ -166,16 +166,18 @@ def list_checkpoints(run_dir: str) -> List[str]:
 def load_error(path: str, e: Exception, what: str = "checkpoint") -> CheckpointError:
     """The CheckpointError for a file that does not load: a pickle refused by the weights-only
     loader is named as not safe (never with torch's advice to load it unsafely), a damaged
-    .safetensors or zip as unreadable."""
+    .safetensors or zip as unreadable. `what` names the file's role: 'checkpoint' or a key
+    such as 'checkpoint='."""
+    name = f"{what}{path!r}" if what.endswith("=") else f"{what} {path!r}"
     if isinstance(e, pickle.UnpicklingError):
         found = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:\n\n|$)", str(e), re.S)
         reason = f" ({found.group(1).strip()})" if found else ""
         return CheckpointError(
-            f"{what} {path!r} is not a safe checkpoint: it is a pickle holding more than tensors "
+            f"{name} is not a safe checkpoint: it is a pickle holding more than tensors "
             f"and plain values{reason}, and such a file is never unpickled (it could run code). "
             f"Use a checkpoint of this package, a .safetensors file (dcvit.save_weights) or a "
             f"torch.save'd state dict of tensors")
-    return CheckpointError(f"{what} {path!r} cannot be read: it is truncated or damaged "
+    return CheckpointError(f"{name} cannot be read: it is truncated or damaged "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})")
 
 
