@@ -60,7 +60,8 @@ def position_of(cfg: Config, num_samples: int, world_size: int) -> Dict[str, Any
         data = {"folder": os.path.basename(os.path.normpath(src.root))}
     data["num_samples"] = num_samples
     return {"train_data": data, "batch_size": cfg.batch_size, "accum_steps": cfg.accum_steps,
-            "world_size": world_size}
+            "world_size": world_size,
+            "global_batch": cfg.batch_size * cfg.accum_steps * world_size}
 
 
 def _describe_data(d: Dict[str, Any]) -> str:
@@ -80,18 +81,17 @@ def _position_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
         if a and b and a.get("shards") == b.get("shards") and "bytes" in a and "bytes" in b:
             odd = [f"{n} {x} -> {y} bytes" for n, x, y in zip(a["shards"], a["bytes"], b["bytes"])
                    if x != y]
-            changes.append(f"data.train: the shards were rewritten ({', '.join(odd[:3])}"
-                           f"{', ...' if len(odd) > 3 else ''}; {a['num_samples']} -> "
-                           f"{b['num_samples']} samples)")
+            rewritten = f"the shards were rewritten ({', '.join(odd[:3])}" \
+                        f"{', ...' if len(odd) > 3 else ''}); " if odd else ""
+            changes.append(f"data.train: {rewritten}{a['num_samples']} -> {b['num_samples']} samples")
         else:
             changes.append(f"data.train: {_describe_data(a) if a else '?'} -> {_describe_data(b)}")
     for key, name in (("batch_size", "batch_size (per process)"), ("accum_steps", "accum_steps"),
                       ("world_size", "world size (processes)")):
         if saved.get(key) != now[key]:
             changes.append(f"{name}: {saved.get(key)} -> {now[key]}")
-    if any(saved.get(k) != now[k] for k in ("batch_size", "accum_steps", "world_size")):
-        g = lambda p: p.get("batch_size", 0) * p.get("accum_steps", 0) * p.get("world_size", 0)
-        changes.append(f"global batch {g(saved)} -> {g(now)}")
+    if saved.get("global_batch") != now["global_batch"]:
+        changes.append(f"global batch {saved.get('global_batch')} -> {now['global_batch']}")
     return changes
 
 
