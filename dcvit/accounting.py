@@ -137,8 +137,8 @@ def flop_analysis(model: nn.Module, inputs: Any) -> FlopCountAnalysis:
 def _reference_attention(model: nn.Module) -> Iterator[None]:
     """Run DCMHA's reference core (the `Compose` modules, ops fvcore can see) in this block.
 
-    The fast cores of `dcvit.fused` (C++/Triton kernels, an autograd Function) hide their
-    matrix products from fvcore and from ``FlopCounterMode``; MACs are those of the
+    The kernel cores of `dcvit.fused` are one custom op (``FlopCounterMode`` counts it by its
+    registered formula, the same MACs; a tracer sees one opaque call); MACs are those of the
     paper's formulation, whichever core runs in production.
     """
     from .conversion import is_converted   # DCMHA layers, dcvit's own or converted ones
