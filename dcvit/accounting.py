@@ -37,7 +37,8 @@ from fvcore.nn.jit_handles import get_shape
 from torch import nn
 
 from .attention import DCMHA
-from .fused import attention_impl
+from .fused import attention_impl, attention_macs
+from .matrices import compose_stage_macs
 
 __all__ = [
     "Accounting", "account", "flop_analysis", "einsum_macs", "module_table",
@@ -117,10 +118,7 @@ def _einsum_handle(inputs: List[Any], outputs: List[Any]) -> int:
 
 
 def _sdpa_handle(inputs: List[Any], outputs: List[Any]) -> int:
-    q, k, v = (get_shape(x) for x in inputs[:3])        # (B, H, T, D), (B, Hkv, S, D), (B, Hkv, S, Dv)
-    batch_heads = math.prod(q[:-2])
-    t, d, s, dv = q[-2], q[-1], k[-2], v[-1]
-    return batch_heads * t * s * d + batch_heads * t * s * dv   # q @ k^T, then p @ v
+    return attention_macs(*(get_shape(x) for x in inputs[:3]))   # q @ k^T, then p @ v
 
 
 def flop_analysis(model: nn.Module, inputs: Any) -> FlopCountAnalysis:
@@ -139,8 +137,8 @@ def flop_analysis(model: nn.Module, inputs: Any) -> FlopCountAnalysis:
 def _reference_attention(model: nn.Module) -> Iterator[None]:
     """Run DCMHA's reference core (the `Compose` modules, ops fvcore can see) in this block.
 
-    The fast cores of `dcvit.fused` (C++/Triton kernels, an autograd Function) hide their
-    matrix products from fvcore and from ``FlopCounterMode``; MACs are those of the
+    The kernel cores of `dcvit.fused` are one custom op (``FlopCounterMode`` counts it by its
+    registered formula, the same MACs; a tracer sees one opaque call); MACs are those of the
     paper's formulation, whichever core runs in production.
     """
     from .conversion import is_converted   # DCMHA layers, dcvit's own or converted ones
@@ -287,13 +285,9 @@ def _dcmha_macs(attn: DCMHA, n: int) -> Dict[str, int]:
     if o["dynamic_gate"]:
         out["dynamic_weights"] += n * c * slots * h          # x @ dd_w -> (N, G·H)
     for stage, module in (("pre", attn.pre_compose), ("post", attn.post_compose)):
-        if module is None:
-            continue
-        low_rank = sum(i is not None for i in attn.slots.stage(stage)) if o["dynamic_proj"] else 0
-        out[stage + "_compose"] += low_rank * 2 * h * r * n * n  # (H->R, R->H) per (t, s)
-        if o["static_proj"]:
-            out[stage + "_compose"] += h * h * n * n             # sum_g W[g, h] a[g, t, s]
-        # gates qdd·a and kdd·a are element-wise products: not counted by the convention.
+        if module is not None:                               # per (t, s): low-rank and static terms
+            out[stage + "_compose"] += n * n * compose_stage_macs(attn.slots, stage, h, r, o["dynamic_proj"],
+                                                                  module.static is not None)
     return out
 
 
@@ -326,7 +320,8 @@ def analytic_macs(model: nn.Module, batch_size: int = 1) -> Dict[str, int]:
         parts["norms"] += _norm_macs(block.norm1, n * c) + _norm_macs(block.norm2, n * c)
         parts["norms"] += 2 * _norm_macs(attn.q_norm, n * c) + _norm_macs(attn.norm, n * c)
         parts["qkv"] += n * c * attn.qkv.out_features
-        parts["attention"] += 2 * n * n * c                  # q @ k^T and p @ v, all heads
+        d = attn.head_dim
+        parts["attention"] += attention_macs((attn.num_heads, n, d), (n, d), (n, d))   # q k^T, p v
         parts["proj"] += n * c * c
         parts["mlp"] += n * (c * block.mlp.fc1.out_features + block.mlp.fc2.in_features * c)
         if isinstance(attn, DCMHA):
@@ -345,9 +340,7 @@ def analytic_macs(model: nn.Module, batch_size: int = 1) -> Dict[str, int]:
 
 
 def _sdpa_flops(query_shape, key_shape, value_shape, *args: Any, **kwargs: Any) -> int:
-    b, h, t, d = query_shape
-    s, dv = key_shape[-2], value_shape[-1]
-    return 2 * b * h * t * s * (d + dv)
+    return 2 * attention_macs(query_shape, key_shape, value_shape)
 
 
 @torch.no_grad()

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 
 from .compose import compose_unchecked
 from .fused import composed_attention, composed_attention_compile, select_impl
-from .matrices import (ComposeMatrices, ComposeSlots, rms_normalize, slot_matrices,
-                       slot_matrices_from_projections, stage_matrices)
+from .matrices import (ComposeMatrices, ComposeSlots, compose_stage_macs, rms_normalize,
+                       slot_matrices, slot_matrices_from_projections, stage_matrices)
 
 __all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
 
@@ -69,6 +69,17 @@ def _eager_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
     same attention core as the eager model (bit-equal outputs and gradients). ``layer`` is a
     `DCMHA` or a converted layer of `dcvit.conversion`."""
     return layer._core(q, k, v, x, attn_mask, is_causal)
+
+
+def _compose_macs(layer: nn.Module) -> int:
+    """Both Compose stages' multiply-adds per (batch element, query, key) in the paper's
+    formulation (`dcvit.matrices.compose_stage_macs`), for FLOP counters of the fused core.
+    ``layer`` is a `DCMHA` or a converted layer of `dcvit.conversion`."""
+    o = layer.options
+    return sum(compose_stage_macs(layer.slots, name, layer.num_heads, o["rank"], o["dynamic_proj"],
+                                  stage.static is not None)
+               for name, stage in (("pre", layer.pre_compose), ("post", layer.post_compose))
+               if stage is not None)
 
 
 class DynamicWeights(nn.Module):
@@ -378,8 +389,9 @@ class DCMHA(nn.Module):
     def _core(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, attn_mask: Optional[Tensor],
               is_causal: bool) -> Tensor:
         """The attention core chosen by `dcvit.fused.select_impl` (``self.attn_impl`` forces one)."""
-        impl = select_impl(self.attn_impl, q, self.training)
-        if impl == "reference" or (attn_mask is not None and attn_mask.requires_grad):
+        dropout = self.training and self.attn_drop.p > 0
+        impl, _ = select_impl(self.attn_impl, q, weights=dropout, mask=attn_mask)
+        if impl == "reference":
             w1, w2, dd = self.dynamic_weights(x) if self.dynamic_weights is not None else (None, None, None)
             return self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
         w, _, dd = self.dynamic_weights(x, raw=True) if self.dynamic_weights is not None else (None, None, None)
@@ -395,15 +407,12 @@ class DCMHA(nn.Module):
                 m = slot_matrices(None, None, dd, identity, dtype)
             mats = ComposeMatrices(*self._matrices(self.pre_compose, m, "pre", dtype, q.device),
                                    *self._matrices(self.post_compose, m, "post", dtype, q.device))
-        dropout = self.training and self.attn_drop.p > 0
-        core_v = None if dropout else v
-        if impl == "compile":
-            x = composed_attention_compile(q, k, core_v, mask, mats, self.scale)
-        else:
-            x = composed_attention(q, k, core_v, mask, mats, impl, self.scale)
-        if dropout:
-            x = self.attn_drop(x.contiguous()) @ v                               # (B, H, N, D)
-        return x
+        if impl != "compile":
+            return composed_attention(q, k, v, mask, mats, impl, self.scale, _compose_macs(self))
+        if dropout:          # the weights, dropped out (in the reference's memory order), then @ v
+            weights = composed_attention_compile(q, k, None, mask, mats, self.scale)
+            return self.attn_drop(weights.contiguous()) @ v
+        return composed_attention_compile(q, k, v, mask, mats, self.scale)
 
     @torch.jit.unused
     def _matrices(self, stage: Optional[Compose], slots: Optional[Tensor], name: str,

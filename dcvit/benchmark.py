@@ -6,6 +6,7 @@ Usage (installed as ``dcvit-bench``; ``python scripts/benchmark.py`` is the same
     dcvit-bench --dtypes fp32,bf16 --no-compile   # sub-selections
     dcvit-bench --layer --batch-size 16 --tokens 197 --dim 384 --heads 6
     dcvit-bench --model eva02_tiny_patch14_224 --convert rank=2   # converted vs the original
+    dcvit-bench --explain --dtypes fp32,bf16      # which attention core runs, and why
 
 Method (docs/spec.md §5): both models are built in one process and timed alternately (DCViT, ViT,
 then ViT, DCViT, ...), after warm-up, same batch, dtype and threads; a figure is the ratio of
@@ -13,8 +14,10 @@ the median step times (throughput ratio = ViT time / DCViT time). Training steps
 forward + cross-entropy + backward + AdamW. Peak memory is measured in a fresh process per
 model (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over training steps at
 ``--mem-batch-size``, per dtype and, with ``--memory-backends eager,compile``, compiled too.
-``--impl`` forces DCMHA's attention core in every figure (``triton``, ``compile``, ``torch``
-on CUDA; ``cpp``, ``torch``, ``compile`` on CPU), so that cores can be compared.
+``--impl`` forces DCMHA's attention core in every figure (``triton``, ``compile`` on CUDA;
+``cpp``, ``compile`` on CPU; ``reference`` anywhere), so that cores can be compared.
+``--explain`` times nothing: for the first DCMHA layer of the model it prints the core
+`dcvit.fused.select_impl` picks in each backend (eager, compile), dtype and mode, and why.
 ``--convert [KEY=VALUE ...]`` times ``--model`` converted to DCMHA (`dcvit.convert` with
 those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic
 fast core) against the plain formulation of docs/spec.md §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
@@ -133,7 +136,8 @@ def _layer_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
     layer = dcvit.DCMHA(args.dim, args.heads).to(device)
     mha = layer.as_mha()
     x = torch.randn(args.batch_size, args.tokens, args.dim, device=device)
-    impl = args.impl if args.impl != "auto" else select_impl("auto", x, False)
+    heads = x.new_empty(args.batch_size, args.heads, args.tokens, args.dim // args.heads)
+    impl = args.impl if args.impl != "auto" else select_impl("auto", heads)[0]
     out: Dict[str, Any] = {"shape": dict(B=args.batch_size, N=args.tokens, dim=args.dim, H=args.heads),
                            "fast_core": impl, "results": {}}
     for mode in args.modes.split(","):
@@ -166,6 +170,49 @@ def _layer_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
         print(f"{key:<18}{r['dcmha_ms']:>10.1f}{r['plain_ms']:>10.1f}{r['attention_ms']:>10.1f}"
               f"{r['speedup_vs_plain']:>9.2f}x{r['ratio_vs_attention']:>10.2f}")
     return out
+
+
+def _explain(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
+    """The core `dcvit.fused.select_impl` picks for the first DCMHA layer of ``--model`` (one
+    sample), and its reason, per backend, dtype and mode: the layer runs once each way
+    (compiled by dynamo alone, ``backend="eager"``, which runs the same choice)."""
+    from . import attention
+    model = _build(args.model, args, device, args.convert is not None).eval()
+    name, layer = next((n, m) for n, m in model.named_modules() if hasattr(m, "attn_impl"))
+    seen = []
+    hook = layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()[:1]))
+    with torch.no_grad():
+        model(torch.zeros(1, 3, args.img_size, args.img_size, device=device))
+    hook.remove()
+    x = seen[0]
+    choose = attention.select_impl
+    rows: Dict[str, Dict[str, str]] = {}
+    backends = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
+    try:
+        for backend in backends:
+            for dname in args.dtypes.split(","):
+                for mode in args.modes.split(","):
+                    picked = []
+
+                    def record(*a: Any, **k: Any) -> Any:
+                        picked.append(choose(*a, **k))
+                        return picked[-1]
+                    attention.select_impl = record
+                    layer.train(mode == "train")
+                    torch._dynamo.reset()
+                    run = torch.compile(layer, backend="eager", fullgraph=True) if backend == "compile" else layer
+                    dtype = DTYPES[dname]
+                    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                        run(x)
+                    core, reason = picked[0]
+                    rows[f"{backend}/{dname}/{mode}"] = {"core": core, "reason": reason}
+    finally:
+        attention.select_impl = choose
+    print(f"{args.model}: attention core of {name} ({type(layer).__name__}, {layer.num_heads} heads, "
+          f"{tuple(x.shape[1:])} per sample) on {device}")
+    for key, r in rows.items():
+        print(f"  {key:<26} {r['core']:<10} {r['reason']}")
+    return {"model": args.model, "layer": name, "explain": rows}
 
 
 def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
@@ -241,7 +288,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--impl", default="auto", help="force DCMHA's attention core (dcvit.fused.IMPLS): "
-                   "auto, triton (CUDA), cpp (CPU), torch, compile, reference")
+                   "auto, triton (CUDA), cpp (CPU), compile, reference")
+    p.add_argument("--explain", action="store_true", help="time nothing: print the attention core "
+                   "one DCMHA layer of --model runs in each backend, dtype and mode, and why")
     p.add_argument("--memory-backends", default="eager",
                    help="comma list of eager,compile: peak memory of each (one figure per --dtypes)")
     p.add_argument("--json", default="benchmark.json", help="where to write the results")
@@ -292,7 +341,9 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             "argv": list(argv) if argv is not None else sys.argv[1:],
             "steps": args.steps, "warmup": args.warmup, "impl": args.impl,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    if args.layer:
+    if args.explain:
+        result = {**meta, **_explain(args, device)}
+    elif args.layer:
         result = {**meta, **_layer_bench(args, device)}
     else:
         result = {**meta, **_model_bench(args, device)}

@@ -21,8 +21,9 @@ from torch import Tensor
 
 from .kernels import compose_cpu
 
-__all__ = ["ComposeSlots", "ComposeMatrices", "slot_matrices", "slot_matrices_from_projections", "stage_matrices",
-           "rms_normalize", "RMS_EPS", "mix", "mix_fusable"]
+__all__ = ["ComposeSlots", "ComposeMatrices", "compose_stage_macs", "slot_matrices",
+           "slot_matrices_from_projections", "stage_matrices", "rms_normalize", "RMS_EPS", "mix",
+           "mix_fusable"]
 
 
 class ComposeSlots(NamedTuple):
@@ -59,6 +60,16 @@ class ComposeSlots(NamedTuple):
     def query_slots(self) -> List[int]:
         """The query-side slots: their matrices carry the identity (the skip connection)."""
         return [i for i in (self.pre_q, self.post_q) if i is not None]
+
+
+def compose_stage_macs(slots: ComposeSlots, stage: str, heads: int, rank: int, dynamic_proj: bool,
+                       static: bool) -> int:
+    """Multiply-adds of one Compose stage (``"pre"`` or ``"post"``) per (query, key) pair in
+    the paper's formulation (docs/spec.md §3): each low-rank slot of the stage maps the H heads
+    to R and back (2·H·R), the static matrix costs H²; the gates are element-wise products,
+    not counted. `dcvit.accounting` and the fused core's FLOP formula both count with it."""
+    low_rank = sum(i is not None for i in slots.stage(stage)) if dynamic_proj else 0
+    return low_rank * 2 * heads * rank + (heads * heads if static else 0)
 
 
 class ComposeMatrices(NamedTuple):

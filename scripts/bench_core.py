@@ -7,7 +7,7 @@ have query- and key-wise matrices; the core runs through its custom op,
 (``torch.nn.functional.scaled_dot_product_attention``, what timm's ViT runs) for comparison.
 Usage::
 
-    python scripts/bench_core.py [--impl cpp|torch|sdpa] [--threads 1] [--repeats 15] [-B 16] [-N 197] [--heads 6] [-D 64]
+    python scripts/bench_core.py [--impl cpp|sdpa] [--threads 1] [--repeats 15] [-B 16] [-N 197] [--heads 6] [-D 64]
 """
 import argparse
 import json
@@ -20,7 +20,7 @@ import dcvit.fused  # noqa: F401  (registers the dcvit:: custom ops)
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impl", default="cpp", help="the core: cpp, torch, or sdpa (plain attention)")
+    p.add_argument("--impl", default="cpp", help="the core: cpp, or sdpa (plain attention)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("-B", type=int, default=16)

@@ -45,7 +45,7 @@ if [ "$DRY" = 1 ]; then
     IMAGES=(16 2)          # images per class (train), classes
     LOOP=(--device cpu --model dcvit_tiny_patch16_224 --img-size 32 --depth 1 --batch-size 2
           --amp bf16 --steps 2 --repeats 1)
-    CORES_EAGER="torch compile"
+    CORES_EAGER="compile"
     CORES_COMPILED="compile"
 else
     DEVICE=cuda
@@ -59,7 +59,7 @@ else
     IMAGES=(320 10)        # 3,200 images: 50 updates of 64 per epoch, 4 epochs = 200 updates
     LOOP=(--device cuda --model dcvit_small_patch16_224 --batch-size 256 --amp bf16 --steps 30
           --repeats 3)
-    CORES_EAGER="triton compile torch"
+    CORES_EAGER="triton compile"
     CORES_COMPILED="triton compile"
 fi
 
@@ -84,7 +84,7 @@ from dcvit.fused import select_impl
 x = torch.zeros(1, 6, 4, 64, device='$DEVICE')
 info = {'torch': torch.__version__, 'triton': triton.__version__, 'timm': timm.__version__,
         'cuda': torch.version.cuda, 'device': torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu',
-        'auto_core': select_impl('auto', x, True)}
+        'auto_core': select_impl('auto', x)[0]}
 print(json.dumps(info))
 json.dump(info, open('$OUT/environment.json', 'w'))
 "
@@ -107,7 +107,7 @@ done
 
 # 3. DCViT-B/16 vs ViT-B/16: the fused core (every core with --full).
 B_EAGER="triton"; B_COMPILED="triton"
-[ "$DRY" = 1 ] && B_EAGER="torch" && B_COMPILED="compile"
+[ "$DRY" = 1 ] && B_EAGER="compile" && B_COMPILED="compile"
 [ "$FULL" = 1 ] && B_EAGER=$CORES_EAGER && B_COMPILED=$CORES_COMPILED
 for core in $B_EAGER; do
     step "bench_B_eager_$core" 240 "$PY" -m dcvit.benchmark "${BENCH_B[@]}" --impl "$core" --no-compile \

@@ -201,3 +201,34 @@ def test_account_restores_training_mode():
     assert model.training
     assert acc.input_shape == (1, 3, 32, 32)
     assert math.isclose(acc.gmacs, acc.macs / 1e9)
+
+
+@pytest.mark.parametrize("options", [dict(), dict(static_proj=True, rank=1, key_wise=False)],
+                         ids=["default", "static_rank1_query"])
+def test_flop_counter_counts_the_fused_core_as_the_accounting(options):
+    """FlopCounterMode on a DCViT on its automatic CPU core (the C++ kernels behind the custom
+    op dcvit::composed_attention) counts q kᵀ, p v and both Compose stages: the accounting's
+    MACs x 2, per the op's registered formula; its backward op twice the forward (the two
+    operand gradients of each product). With the default options the model's whole count
+    equals the reference core's, whose products are aten ops."""
+    from dcvit.fused import attention_impl, select_impl
+    from dcvit.kernels import compose_cpu
+    if not compose_cpu.available():
+        pytest.skip("C++ kernel not built here: the automatic core is not the custom op")
+    model = timm.create_model("dcvit_tiny_patch16_224", img_size=32, depth=2, num_classes=10, **options)
+    x = torch.randn(2, 3, 32, 32)
+    assert select_impl("auto", torch.zeros(2, 3, 5, 64))[0] == "cpp"
+    with FlopCounterMode(display=False) as forward:
+        y = model(x)
+    with FlopCounterMode(display=False) as backward:
+        y.sum().backward()
+    core = forward.get_flop_counts()["Global"][torch.ops.dcvit.composed_attention]
+    parts = analytic_macs(model, batch_size=2)
+    assert parts["pre_compose"] > 0 and parts["post_compose"] > 0
+    assert core == 2 * (parts["attention"] + parts["pre_compose"] + parts["post_compose"])
+    assert backward.get_flop_counts()["Global"][torch.ops.dcvit.composed_attention_backward] == 2 * core
+    if not options:
+        with attention_impl("reference"), FlopCounterMode(display=False) as reference:
+            model(x)
+        assert torch.ops.dcvit.composed_attention not in reference.get_flop_counts()["Global"]
+        assert reference.get_total_flops() == forward.get_total_flops()

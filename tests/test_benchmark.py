@@ -61,3 +61,24 @@ def test_converted_model_is_timed_against_itself_unconverted(tmp_path, capsys):
     assert "eva02_tiny_patch14_224 + DCMHA (dcvit.convert) vs eva02_tiny_patch14_224" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--convert entry 'rank' is not key=value"):
         run(["--convert", "rank"])
+
+
+def test_explain_names_the_core_and_why(tmp_path, capsys):
+    """--explain runs one DCMHA layer each way and reports select_impl's choice and reason."""
+    from dcvit.kernels import compose_cpu
+    out = tmp_path / "explain.json"
+    run(["--explain", "--model", "dcvit_tiny_patch16_224", "--img-size", "32", "--depth", "1",
+         "--dtypes", "fp32,bf16", "--modes", "train", "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["layer"] == "blocks.0.attn"
+    assert set(data["explain"]) == {"eager/fp32/train", "eager/bf16/train", "compile/fp32/train",
+                                    "compile/bf16/train"}
+    if compose_cpu.available():
+        assert data["explain"]["eager/fp32/train"] == {"core": "cpp", "reason": "CPU: the C++ kernels"}
+        assert data["explain"]["compile/bf16/train"] == {
+            "core": "cpp", "reason": "CPU: the C++ kernels (computed in float32), one op in the graph"}
+    assert "compile/bf16/train" in capsys.readouterr().out
+    run(["--explain", "--model", "dcvit_tiny_patch16_224", "--img-size", "32", "--depth", "1",
+         "--no-compile", "--modes", "inference", "--impl", "reference", "--json", str(out)])
+    assert json.loads(out.read_text())["explain"] == {"eager/fp32/inference": {"core": "reference",
+                                                                               "reason": "forced"}}

@@ -25,7 +25,7 @@ FIXTURE_SIZE = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=
                     num_classes=10)
 SMALL = dict(img_size=32, depth=2)
 # Every attention core that runs here (Triton in its interpreter without CUDA, see conftest.py).
-CPU_CORES = (["reference", "torch", "compile"] + (["cpp"] if compose_cpu.available() else [])
+CPU_CORES = (["reference", "compile"] + (["cpp"] if compose_cpu.available() else [])
              + (["triton"] if triton_core.available() else []))
 BV = ["vit_tiny_patch16_bv_224", "vit_small_patch16_bv_224", "vit_medium_patch16_bv_224",
       "vit_base_patch16_bv_224"]

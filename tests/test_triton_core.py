@@ -370,25 +370,30 @@ def test_self_check_failure_warns_once_and_declines(monkeypatch, failure):
 
 
 def test_cuda_choice_follows_figures_then_the_check(monkeypatch):
-    """On a GPU without figures: triton when its check passes, else torch (eager) and compile
-    (compiled); with figures for the GPU: the measured core."""
+    """On a GPU without figures: triton when its check passes, else compile; with figures
+    for the GPU: the measured core."""
     from dcvit import fused
     q = torch.zeros(1, 3, 4, 8)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(triton_core, "works_on", lambda x: True)
     assert fused._cuda_measured(q, "eager") is None
-    monkeypatch.setattr(fused, "CUDA_MEASURED", {"H100": {"eager": "torch", "compile": "triton"}})
-    assert fused._cuda_measured(q, "eager") == "torch"
+    monkeypatch.setattr(fused, "CUDA_MEASURED", {"H100": {"eager": "compile", "compile": "triton"}})
+    assert fused._cuda_measured(q, "eager") == "compile"
     assert fused._cuda_measured(q, "compile") == "triton"
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
     assert fused._cuda_measured(q, "eager") is None
 
 
-def test_forced_triton_core_falls_back_where_it_cannot_run():
+def test_forced_triton_core_refuses_what_it_cannot_take():
+    """A forced Triton core is an error, with the reason, where its kernels cannot run."""
     from dcvit import fused
-    assert fused.select_impl("triton", torch.zeros(1, 3, 4, 8, dtype=torch.float64)) == "torch"
-    assert fused.select_impl("triton", torch.zeros(1, 17, 4, 8)) == "torch"
-    assert fused.select_impl("triton", torch.zeros(1, 3, 4, 8)) == "triton"
+    with pytest.raises(ValueError, match="'triton' cannot run here: .*got torch.float64"):
+        fused.select_impl("triton", torch.zeros(1, 3, 4, 8, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="17 heads, more than the Triton kernels' 16"):
+        fused.select_impl("triton", torch.zeros(1, 17, 4, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="do not return the attention weights"):
+        fused.select_impl("triton", torch.zeros(1, 3, 4, 8, device=DEVICE), weights=True)
+    assert fused.select_impl("triton", torch.zeros(1, 3, 4, 8, device=DEVICE)) == ("triton", "forced")
 
 
 # ---------------------------------------------------------------------------- slow tier

@@ -8,7 +8,7 @@ to stderr meanwhile) into a private cache directory, ``$DCVIT_KERNEL_CACHE`` (de
 0700; a library file there that the user does not own is refused. Built with ``-fopenmp``
 when torch runs on GNU OpenMP, so that ``libgomp.so.1`` resolves to torch's own copy and the
 kernels run on torch's worker threads; with plain threads otherwise. When no compiler (or ninja) is found, or the build fails, `load` warns
-once and returns False, and `dcvit.fused` uses its pure-PyTorch path. Set
+once and returns False, and `dcvit.fused` picks its plain-PyTorch ``compile`` core. Set
 ``DCVIT_NO_CPP_KERNEL=1`` to skip it.
 
 Built for the best instruction set the CPU has (`isa`, from /proc/cpuinfo's flags): ``avx512``
@@ -21,8 +21,6 @@ Operators (float32 and float64 CPU tensors; see ``csrc/compose_cpu.cpp``), each 
 
     dcvit_cpu::attention_forward(q, k, v, mask?, mq1?, mk1?, mq2?, mk2?, scale) -> out (B, T, H, D)
     dcvit_cpu::attention_backward(grad, q, k, v, mask?, mq1?, ..., scale) -> [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
-    dcvit_cpu::rows_forward(s0, mask?, mq1?, mk1?, mq2?, mk2?) -> p2
-    dcvit_cpu::rows_backward(s0, dp2, mask?, mq1?, mk1?, mq2?, mk2?) -> [p2, ds0, dmq1, dmk1, dmq2, dmk2]
     dcvit_cpu::slot_matrices(w, dd?, identity_slots, eps) -> m
     dcvit_cpu::slot_matrices_backward(w, dm, with_gate, eps) -> [dw, ddd]
 
@@ -49,7 +47,7 @@ import torch
 
 __all__ = ["load", "available", "isa", "ISAS", "MAX_HEADS"]
 
-MAX_HEADS = 64   # kMaxHeads of csrc/rows.h: more heads run the PyTorch rows
+MAX_HEADS = 64   # kMaxHeads of csrc/rows.h: `dcvit.fused` runs more heads on its 'compile' core
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
@@ -224,7 +222,7 @@ def load() -> bool:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         if not ok:
             warnings.warn(f"dcvit: the C++ attention kernel could not be built ({reason}); "
-                          "using the pure-PyTorch fast path instead", RuntimeWarning, stacklevel=2)
+                          "using the plain-PyTorch 'compile' core instead", RuntimeWarning, stacklevel=2)
     _state["ok"] = ok
     return ok
 

@@ -1,5 +1,5 @@
-// The attention core: rows over (B, H, T, S) tensors, and the whole core flash-style (q k^T ->
-// rows -> p v per batch element and block of queries, in each thread's cache-sized tiles).
+// The attention core, flash-style: q k^T -> rows -> p v per batch element and block of queries,
+// in each thread's cache-sized tiles.
 #pragma once
 
 #include "gemm.h"
@@ -16,25 +16,6 @@ struct Rows {
     const T* m_row = mask.ptr == nullptr ? nullptr
         : static_cast<const T*>(mask.ptr) + b * mask.sb + t * mask.st;
     mask_softmax<T>(p.ptr, m_row, mask.sh, mask.ss, n.H, n.S, n.SP);
-  }
-
-  static void forward(const T* s0, T* p2, Mask mask, const T* mq1, const T* mk1, const T* mq2,
-                      const T* mk2, const Dims n, int nthreads) {
-    const int64_t hs = n.T * n.S, HH = n.H * n.H;
-    parallel_rows(n.B * n.T, nthreads, [&](int64_t begin, int64_t end, int64_t) {
-      Scratch<T> w(n);
-      const Row<T> p = w.buf(w.p, n);
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t b = row / n.T, t = row % n.T, off = (b * n.H * n.T + t) * n.S;
-        w.enter(b, n, mk1, mk2);
-        const Row<T> a{const_cast<T*>(s0) + off, hs, n.S}, out{p2 + off, hs, n.S};
-        probs(a, p, n, mask, mq1 ? mq1 + row * HH : nullptr, mk1 ? w.mk1.data() : nullptr, b, t);
-        if (mq2 != nullptr)
-          mix<T, HC, false>(p, out, mq2 + row * HH, mk2 ? w.mk2.data() : nullptr, n.H, n.nb);
-        else
-          copy_row<T>(p, out, n.H);
-      }
-    });
   }
 
   // Row (b, t) backward: recompute it from its scores a, write the composed weights to out,
@@ -62,33 +43,6 @@ struct Rows {
     } else {
       copy_row<T>(d, da, n.H);
     }
-  }
-
-  // Backward of `forward` over rows of (B, H, T, S) tensors.
-  // dmk*_acc: (nthreads, B, S, H, H), zero-filled by the caller; each thread writes the
-  // key-wise gradients of the batch elements it covers into its own slice.
-  static void backward(const T* s0, const T* dp2, T* p2, T* ds0, Mask mask, const T* mq1,
-                       const T* mk1, const T* mq2, const T* mk2, T* dmq1, T* dmk1_acc, T* dmq2,
-                       T* dmk2_acc, const Dims n, int nthreads) {
-    const int64_t hs = n.T * n.S, HH = n.H * n.H, hhs = HH * n.S;
-    parallel_rows(n.B * n.T, nthreads, [&](int64_t begin, int64_t end, int64_t tid) {
-      Scratch<T> w(n);
-      KeyGrads<T> kg(n, dmk1_acc != nullptr, dmk2_acc != nullptr);
-      T* acc1 = dmk1_acc ? dmk1_acc + tid * n.B * hhs : nullptr;
-      T* acc2 = dmk2_acc ? dmk2_acc + tid * n.B * hhs : nullptr;
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t b = row / n.T, t = row % n.T, off = (b * n.H * n.T + t) * n.S;
-        if (b != w.b) kg.flush(w.b, n, acc1, acc2);
-        w.enter(b, n, mk1, mk2);
-        const Row<T> a{const_cast<T*>(s0) + off, hs, n.S}, g{const_cast<T*>(dp2) + off, hs, n.S};
-        const Row<T> out{p2 + off, hs, n.S}, da{ds0 + off, hs, n.S};
-        backward_row(a, g, out, da, w, n, mask, mq1 ? mq1 + row * HH : nullptr,
-                     mk1 ? w.mk1.data() : nullptr, mq2 ? mq2 + row * HH : nullptr,
-                     mk2 ? w.mk2.data() : nullptr, dmq1 ? dmq1 + row * HH : nullptr, kg.g1(),
-                     dmq2 ? dmq2 + row * HH : nullptr, kg.g2(), b, t);
-      }
-      kg.flush(w.b, n, acc1, acc2);
-    });
   }
 
   // The whole attention core of one layer, flash-style: for each batch element and block of

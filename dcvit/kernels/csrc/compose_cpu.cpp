@@ -10,7 +10,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -153,58 +152,6 @@ std::vector<Tensor> attention_backward(const Tensor& grad_, const Tensor& q_, co
   return {dq, dk, dv, or_empty(dmq1, q), or_empty(dmk1, q), or_empty(dmq2, q), or_empty(dmk2, q)};
 }
 
-// The rows alone: compose2(softmax(compose1(s0) + mask)) for scores s0 (B, H, T, S).
-Tensor rows_forward(const Tensor& s0_, const OptTensor& mask, const OptTensor& mq1,
-                    const OptTensor& mk1, const OptTensor& mq2, const OptTensor& mk2) {
-  check_dtype(s0_, "s0");
-  const Tensor s0 = s0_.contiguous();
-  const int64_t B = s0.size(0), H = s0.size(1), T = s0.size(2), S = s0.size(3);
-  check_heads(H);
-  const auto dt = s0.scalar_type();
-  const Matrices m(mq1, mk1, mq2, mk2, B, T, H, dt);
-  const MaskView mv(mask, B, H, T, S, dt);
-  Tensor out = at::empty_like(s0);
-  dispatch(dt, [&](auto zero) {
-    using S_ = decltype(zero);
-    with_heads<S_>(H, [&](auto rows) {
-      rows.forward(ptr<S_>(s0), ptr<S_>(out), mv.get<S_>(), ptr<S_>(m.mq1), ptr<S_>(m.mk1),
-                   ptr<S_>(m.mq2), ptr<S_>(m.mk2), dims<S_>(B, H, T, S), at::get_num_threads());
-    });
-  });
-  return out;
-}
-
-// Recompute the rows from s0 and back-propagate dp2 (B, H, T, S): [p2, ds0, dmq1 (B, T, H, H),
-// dmk1 (B, S, H, H), dmq2, dmk2], empty for an absent side.
-std::vector<Tensor> rows_backward(const Tensor& s0_, const Tensor& dp2_, const OptTensor& mask,
-                                  const OptTensor& mq1, const OptTensor& mk1, const OptTensor& mq2,
-                                  const OptTensor& mk2) {
-  check_dtype(s0_, "s0");
-  const Tensor s0 = s0_.contiguous(), dp2 = dp2_.to(s0_.scalar_type()).contiguous();
-  const int64_t B = s0.size(0), H = s0.size(1), T = s0.size(2), S = s0.size(3);
-  check_heads(H);
-  const auto dt = s0.scalar_type();
-  const int nthreads = at::get_num_threads();
-  const Matrices m(mq1, mk1, mq2, mk2, B, T, H, dt);
-  const MaskView mv(mask, B, H, T, S, dt);
-  Tensor p2 = at::empty_like(s0), ds0 = at::empty_like(s0);
-  auto like = [&](const Tensor& t) { return t.defined() ? at::empty(t.sizes(), t.options()) : Tensor(); };
-  // Key-wise gradients: one (B, S, H, H) accumulator per thread, summed at the end.
-  auto acc = [&](const Tensor& t) { return t.defined() ? at::zeros({nthreads, B, S, H, H}, t.options()) : Tensor(); };
-  Tensor dmq1 = like(m.mq1), dmq2 = like(m.mq2), dmk1 = acc(m.mk1), dmk2 = acc(m.mk2);
-  dispatch(dt, [&](auto zero) {
-    using S_ = decltype(zero);
-    with_heads<S_>(H, [&](auto rows) {
-      rows.backward(ptr<S_>(s0), ptr<S_>(dp2), ptr<S_>(p2), ptr<S_>(ds0), mv.get<S_>(),
-                    ptr<S_>(m.mq1), ptr<S_>(m.mk1), ptr<S_>(m.mq2), ptr<S_>(m.mk2), ptr<S_>(dmq1),
-                    ptr<S_>(dmk1), ptr<S_>(dmq2), ptr<S_>(dmk2), dims<S_>(B, H, T, S), nthreads);
-    });
-  });
-  if (dmk1.defined()) dmk1 = dmk1.sum(0);
-  if (dmk2.defined()) dmk2 = dmk2.sum(0);
-  return {p2, ds0, or_empty(dmq1, s0), or_empty(dmk1, s0), or_empty(dmq2, s0), or_empty(dmk2, s0)};
-}
-
 // Every slot's Compose matrix from the raw projections w (B, N, G, 2R, H) and gates dd
 // (B, N, G, H) or None, plus the identity on the slots listed in identity_slots: (B, N, G, H, H).
 Tensor slot_matrices(const Tensor& w_, const OptTensor& dd, at::IntArrayRef identity_slots,
@@ -251,10 +198,6 @@ TORCH_LIBRARY(dcvit_cpu, m) {
         "Tensor? mq2, Tensor? mk2, float scale) -> Tensor");
   m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mq1, "
         "Tensor? mk1, Tensor? mq2, Tensor? mk2, float scale) -> Tensor[]");
-  m.def("rows_forward(Tensor s0, Tensor? mask, Tensor? mq1, Tensor? mk1, Tensor? mq2, "
-        "Tensor? mk2) -> Tensor");
-  m.def("rows_backward(Tensor s0, Tensor dp2, Tensor? mask, Tensor? mq1, Tensor? mk1, "
-        "Tensor? mq2, Tensor? mk2) -> Tensor[]");
   m.def("slot_matrices(Tensor w, Tensor? dd, int[] identity_slots, float eps) -> Tensor");
   m.def("slot_matrices_backward(Tensor w, Tensor dm, bool with_gate, float eps) -> Tensor[]");
 }
@@ -262,8 +205,6 @@ TORCH_LIBRARY(dcvit_cpu, m) {
 TORCH_LIBRARY_IMPL(dcvit_cpu, CPU, m) {
   m.impl("attention_forward", &dcvit::attention_forward);
   m.impl("attention_backward", &dcvit::attention_backward);
-  m.impl("rows_forward", &dcvit::rows_forward);
-  m.impl("rows_backward", &dcvit::rows_backward);
   m.impl("slot_matrices", &dcvit::slot_matrices);
   m.impl("slot_matrices_backward", &dcvit::slot_matrices_backward);
 }
