@@ -49,7 +49,7 @@ from timm.models.eva import EvaAttention
 from timm.models.swin_transformer import WindowAttention
 from torch import Tensor, nn
 
-from .attention import DCMHA, DCMHA_OPTIONS, _eager_core
+from .attention import DCMHA, DCMHAOptions, _eager_core
 
 __all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
            "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
@@ -92,7 +92,7 @@ class _ComposedCore:
     _matrices = DCMHA._matrices
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())
 
 
 class DCEvaAttention(_ComposedCore, EvaAttention):
@@ -189,7 +189,7 @@ def _device_dtype(module: nn.Module) -> Dict[str, Any]:
     return {"device": p.device, "dtype": p.dtype}
 
 
-def _from_attention(attn: Attention, options: Dict[str, Any], where: str) -> DCMHA:
+def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA:
     dim = attn.qkv.in_features
     variants = []
     if getattr(attn, "gate", None) is not None:
@@ -205,7 +205,7 @@ def _from_attention(attn: Attention, options: Dict[str, Any], where: str) -> DCM
         dim, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
         qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
         proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
-        norm_layer=_norm_layer(attn.q_norm, attn.norm), **options, **_device_dtype(attn)), where, dim, attn.num_heads)
+        norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn)), where, dim, attn.num_heads)
     for name in ("qkv", "q_norm", "k_norm", "norm", "proj", "attn_drop", "proj_drop"):
         setattr(layer, name, getattr(attn, name))                # the very same modules and weights
     return layer
@@ -221,10 +221,10 @@ def _check_dims(build: Callable[[], DCMHA], where: str, dim: int, num_heads: int
         raise
 
 
-def _with_core(module: nn.Module, cls: type, dim: int, options: Dict[str, Any], where: str) -> nn.Module:
+def _with_core(module: nn.Module, cls: type, dim: int, options: DCMHAOptions, where: str) -> nn.Module:
     """A ``cls`` (a `_ComposedCore` subclass of ``type(module)``) holding module's submodules,
     parameters and buffers plus the DCMHA parts of a `DCMHA` built with ``options``."""
-    template = _check_dims(lambda: DCMHA(dim, module.num_heads, **options, **_device_dtype(module)),
+    template = _check_dims(lambda: DCMHA(dim, module.num_heads, options=options, **_device_dtype(module)),
                            where, dim, module.num_heads)
     layer = cls.__new__(cls)
     layer.__dict__ = dict(module.__dict__)
@@ -238,22 +238,22 @@ def _with_core(module: nn.Module, cls: type, dim: int, options: Dict[str, Any], 
     return layer
 
 
-def _from_eva(attn: EvaAttention, options: Dict[str, Any], where: str) -> DCEvaAttention:
+def _from_eva(attn: EvaAttention, options: DCMHAOptions, where: str) -> DCEvaAttention:
     dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
     return _with_core(attn, DCEvaAttention, dim, options, where)
 
 
-def _from_rope(attn: AttentionRope, options: Dict[str, Any], where: str) -> DCAttentionRope:
+def _from_rope(attn: AttentionRope, options: DCMHAOptions, where: str) -> DCAttentionRope:
     dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
     return _with_core(attn, DCAttentionRope, dim, options, where)
 
 
-def _from_window(attn: WindowAttention, options: Dict[str, Any], where: str) -> DCWindowAttention:
+def _from_window(attn: WindowAttention, options: DCMHAOptions, where: str) -> DCWindowAttention:
     return _with_core(attn, DCWindowAttention, attn.qkv.in_features, options, where)
 
 
 # Exact types only: a subclass may compute attention differently.
-_CONVERTERS: Dict[type, Callable[[Any, Dict[str, Any], str], nn.Module]] = {
+_CONVERTERS: Dict[type, Callable[[Any, DCMHAOptions, str], nn.Module]] = {
     Attention: _from_attention,
     EvaAttention: _from_eva,
     AttentionRope: _from_rope,
@@ -322,9 +322,7 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
     Returns ``model`` (changed in place; the replaced modules are left as they were). The
     layers keep ``model``'s device, dtype and train/eval mode.
     """
-    unknown = sorted(set(dcmha_options) - set(DCMHA_OPTIONS))
-    if unknown:
-        raise TypeError(f"convert: unknown DCMHA option(s) {unknown}; valid options: {sorted(DCMHA_OPTIONS)}")
+    options = DCMHAOptions.of("convert", **dcmha_options)
     if init not in INITS:
         raise ValueError(f"convert: init={init!r} is not one of {INITS}")
     if not isinstance(model, nn.Module):
@@ -344,7 +342,7 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
     selected = _resolve(layers, len(found))
     for i in selected:
         name, module = found[i]
-        layer = _CONVERTERS[type(module)](module, dict(dcmha_options), f"attention layer {i} ({name!r})")
+        layer = _CONVERTERS[type(module)](module, options, f"attention layer {i} ({name!r})")
         layer.train(module.training)
         if init == "identity":
             _identity_init(layer)
@@ -355,7 +353,7 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
         _logger.warning("convert: left %d module(s) of other attention types as they are: %s",
                         len(skipped), ", ".join(skipped))
     _logger.info("convert: %d of %d attention layers of %s now use DCMHA (init=%s, options=%s)",
-                 len(selected), len(found), type(model).__name__, init, dcmha_options)
+                 len(selected), len(found), type(model).__name__, init, options)
     return model
 
 

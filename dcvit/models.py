@@ -11,7 +11,6 @@ and the ViT-M/16 baseline ``vit_medium_patch16_224`` where timm lacks it. Every 
 of docs/spec.md §1.3 and ``dcmha_layers`` (indices of the blocks that use DCMHA; default all) are
 keyword arguments of ``timm.create_model``.
 """
-import difflib
 import inspect
 import logging
 from typing import Any, Dict, Iterable, Optional, Type
@@ -21,6 +20,8 @@ from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import vision_transformer as timm_vit
 from timm.models.vision_transformer import VisionTransformer
+
+from .cli import did_you_mean
 
 __all__ = ["DCVIT_MODELS", "checkpoint_filter_fn", "create_vit_family"]
 
@@ -62,11 +63,9 @@ def _check_kwargs(variant: str, kwargs: Dict[str, Any], dc: bool = True,
     known = _VIT_KWARGS | _BUILDER_KWARGS | dcmha | set(extra)
     for key in kwargs:
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            where = (f"DCMHA options: {sorted(DCMHA_OPTIONS) + ['dcmha_layers']}" if dc else
+            where = (f"DCMHA options: {sorted(dcmha)}" if dc else
                      "a baseline has no DCMHA options; use the dcvit_* model")
-            raise TypeError(f"{variant}: unknown option {key!r}{hint} ({where})")
+            raise TypeError(f"{variant}: unknown option {key!r}{did_you_mean(key, known)} ({where})")
 
 
 def _resolve_layers(variant: str, dcmha_layers: Optional[Iterable[int]], depth: int) -> set:

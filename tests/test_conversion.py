@@ -179,7 +179,7 @@ def test_options_and_layers_reach_the_layers():
     assert isinstance(model.blocks[0].attn, timm.layers.Attention)
     attn = model.blocks[1].attn
     assert isinstance(attn, DCMHA) and attn.pre_compose is None
-    assert attn.options["rank"] == 1 and attn.post_compose.static is not None
+    assert attn.options.rank == 1 and attn.post_compose.static is not None
     swin = dcvit.convert(build("swin"), layers=[1, 2])
     assert converted_layers(swin) == ["layers.0.blocks.1.attn", "layers.1.blocks.0.attn"]
 
@@ -288,7 +288,7 @@ def test_accounting_counts_the_converted_layers(family):
     macs = params = 0
     for name in converted_layers(converted):
         attn = converted.get_submodule(name)
-        c, h, r = attn.dim, attn.num_heads, attn.options["rank"]
+        c, h, r = attn.dim, attn.num_heads, attn.options.rank
         params += c * 4 * 4 * h + 4 * 4 * h * 2 * r * h + c * 4 * h
         if family == "swin":
             block = converted.get_submodule(name.rsplit(".", 1)[0])

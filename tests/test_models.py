@@ -66,7 +66,7 @@ def test_create_model_kwargs_reach_the_model():
     assert model.head.out_features == 10 and len(model.blocks) == 3
     attn = model.blocks[0].attn
     assert isinstance(attn, DCMHA)
-    assert attn.options["rank"] == 1 and attn.options["query_wise"] is False
+    assert attn.options.rank == 1 and attn.options.query_wise is False
     assert attn.dynamic_weights.num_slots == 2 and attn.dynamic_weights.qkw.shape[2] == 2
     assert model.blocks[2].drop_path1.drop_prob == pytest.approx(0.1)
     out = model(torch.randn(1, 3, 48, 80))  # dynamic image size
