@@ -489,22 +489,20 @@ register_notrace_module(DCMHA)
 
 
 def dcmha_layer(**options: Any) -> Type[DCMHA]:
-    """A `DCMHA` class with the given ablation options as its defaults.
+    """Deprecated: a `DCMHA` class with ``options`` as its defaults, for timm's ``attn_layer=``.
 
-    timm builds attention layers from a class (``attn_layer=``) with its own fixed keyword
-    arguments; this binds the DCMHA options to such a class.
+    Build the timm model and `dcvit.convert` it (as the ``dcvit_*`` models are built), or
+    give `DCMHA` a `DCMHAOptions`. Instances are plain `DCMHA` (they pickle).
     """
-    unknown = sorted(set(options) - set(DCMHA_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown DCMHA option(s) {unknown}; valid options: {sorted(DCMHA_OPTIONS)}")
-    bound = dict(options)
+    warnings.warn("dcvit.dcmha_layer is deprecated: build the timm model and dcvit.convert(model, "
+                  "init='paper', **options) it, or pass DCMHA(options=DCMHAOptions(...))",
+                  DeprecationWarning, stacklevel=2)
+    bound = DCMHAOptions.of("dcmha_layer", **options)
 
     class ConfiguredDCMHA(DCMHA):
         def __init__(self, dim: int, **kwargs: Any) -> None:
-            super().__init__(dim, **{**bound, **kwargs})
-            # A plain DCMHA once built (its options live on the instance): instances of a
-            # class defined in this function could not be pickled.
-            self.__class__ = DCMHA
+            super().__init__(dim, options=bound, **kwargs)
+            self.__class__ = DCMHA       # instances of a class made here could not be pickled
 
     ConfiguredDCMHA.__name__ = ConfiguredDCMHA.__qualname__ = "DCMHA"
     return ConfiguredDCMHA

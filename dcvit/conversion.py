@@ -49,9 +49,9 @@ from timm.models.eva import EvaAttention
 from timm.models.swin_transformer import WindowAttention
 from torch import Tensor, nn
 
-from .attention import DCMHA, DCMHAOptions, _eager_core
+from .attention import DCMHA, DCMHA_PARTS, DCMHAOptions, _eager_core
 
-__all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
+__all__ = ["convert", "convert_layers", "resolve_layers", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
            "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
            "dcmha_parameters", "fit_state_dict"]
 
@@ -75,7 +75,7 @@ SUPPORTED: Dict[str, str] = {
 torch.fx.wrap("_eager_core")
 
 # Submodule names of the DCMHA parameters in every converted layer.
-DCMHA_STATE_PARTS = ("dynamic_weights", "pre_compose", "post_compose")
+DCMHA_STATE_PARTS = DCMHA_PARTS
 
 
 class _ComposedCore:
@@ -206,7 +206,17 @@ def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA
         qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
         proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
         norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn)), where, dim, attn.num_heads)
-    for name in ("qkv", "q_norm", "k_norm", "norm", "proj", "attn_drop", "proj_drop"):
+    taken = ["qkv", "norm", "proj", "attn_drop", "proj_drop"]
+    if options.qk_norm_bias or getattr(attn.q_norm, "bias", None) is None:
+        taken += ["q_norm", "k_norm"]
+    else:                          # scale-only q/k norms asked for: DCMHA's own, with the scales
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name)
+            if norm.bias.device.type != "meta" and bool(norm.bias.any()):
+                raise ValueError(f"convert: {where} has a trained {name} bias, which qk_norm_bias=False "
+                                 "would drop; convert with qk_norm_bias=True")
+            getattr(layer, name).weight = norm.weight
+    for name in taken:
         setattr(layer, name, getattr(attn, name))                # the very same modules and weights
     return layer
 
@@ -280,16 +290,20 @@ def _attention_like(model: nn.Module) -> List[Tuple[str, str]]:
             if type(m) not in _CONVERTERS and any(w in type(m).__name__ for w in ("Attention", "Attn"))]
 
 
-def _resolve(layers: Optional[Iterable[int]], count: int) -> List[int]:
+def resolve_layers(layers: Optional[Iterable[int]], count: int, where: str = "convert",
+                   name: str = "layers") -> List[int]:
+    """The sorted indices ``layers`` (None: all; negative ones count from the end) names among
+    ``count`` attention layers; a bad entry raises naming ``where`` and the argument ``name``."""
     if layers is None:
         return list(range(count))
-    if isinstance(layers, int) or isinstance(layers, str):
-        raise TypeError(f"convert: layers={layers!r} must be a list of layer indices, e.g. layers=[0, 1]")
+    if isinstance(layers, (int, str)):
+        raise TypeError(f"{where}: {name}={layers!r} must be a list of attention-layer indices, e.g. "
+                        f"{name}=[{layers}] (or None for every layer)")
     out = set()
     for i in layers:
         if not isinstance(i, int) or isinstance(i, bool) or not -count <= i < count:
-            raise ValueError(f"convert: layers entry {i!r} is not an attention-layer index in "
-                             f"[0, {count}) (the model has {count}; negative indices count from the end)")
+            raise ValueError(f"{where}: {name} entry {i!r} is not an attention-layer index in [0, {count}) "
+                             f"(the model has {count}; negative indices count from the end)")
         out.add(i % count)
     return sorted(out)
 
@@ -308,7 +322,7 @@ def _identity_init(layer: nn.Module) -> None:
 
 
 def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str = "identity",
-            **dcmha_options: Any) -> nn.Module:
+            options: Optional[DCMHAOptions] = None, **dcmha_options: Any) -> nn.Module:
     """Replace the attention layers of ``model`` with DCMHA layers holding the same weights.
 
     Args:
@@ -317,44 +331,53 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
             (a ViT's or EVA's block index; Swin counts blocks across its stages); default all.
         init: ``"identity"`` (the converted model computes the original function exactly) or
             ``"paper"`` (the authors' initialisation of the dynamic weights).
-        **dcmha_options: the DCMHA options of docs/spec.md §1.3 (``rank``, ``query_wise``, ...).
+        options, **dcmha_options: the DCMHA options of docs/spec.md §1.3, as a
+            `DCMHAOptions` and/or by name (``rank``, ``query_wise``, ...).
 
     Returns ``model`` (changed in place; the replaced modules are left as they were). The
     layers keep ``model``'s device, dtype and train/eval mode.
     """
-    options = DCMHAOptions.of("convert", **dcmha_options)
+    options = DCMHAOptions.of("convert", options, **dcmha_options)
     if init not in INITS:
         raise ValueError(f"convert: init={init!r} is not one of {INITS}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module (a timm model), got {type(model).__name__}")
-    done = converted_layers(model)
-    if done:
-        raise ValueError(f"convert: {type(model).__name__} already has {len(done)} DCMHA layer(s) "
-                         f"(e.g. {done[0]!r}); it was converted before or is a dcvit model. "
-                         "Convert the original model once, with every option at once")
-    found = [(name, m) for name, m in model.named_modules() if type(m) in _CONVERTERS]
-    if not found:
-        others = sorted({t for _, t in _attention_like(model)})
-        what = f"its attention modules are of unsupported type(s) {others}" if others else \
-            "it has no attention module of a supported type"
-        raise ValueError(f"convert: nothing to convert in {type(model).__name__}: {what}. "
-                         f"Supported: {_supported_text()}")
-    selected = _resolve(layers, len(found))
-    for i in selected:
-        name, module = found[i]
-        layer = _CONVERTERS[type(module)](module, options, f"attention layer {i} ({name!r})")
-        layer.train(module.training)
-        if init == "identity":
-            _identity_init(layer)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    selected, found = convert_layers(model, layers, init, options)
     skipped = [f"{n} ({t})" for n, t in _attention_like(model) if not isinstance(model.get_submodule(n), _ComposedCore)]
     if skipped:
         _logger.warning("convert: left %d module(s) of other attention types as they are: %s",
                         len(skipped), ", ".join(skipped))
     _logger.info("convert: %d of %d attention layers of %s now use DCMHA (init=%s, options=%s)",
-                 len(selected), len(found), type(model).__name__, init, options)
+                 len(selected), found, type(model).__name__, init, options)
     return model
+
+
+def convert_layers(model: nn.Module, layers: Optional[Iterable[int]], init: str, options: DCMHAOptions,
+                   where: str = "convert", name: str = "layers") -> Tuple[List[int], int]:
+    """`convert`'s work, without its argument checks and log messages (the ``dcvit_*`` models
+    call it while they are built): the indices converted and the number of attention layers."""
+    done = converted_layers(model)
+    if done:
+        raise ValueError(f"{where}: {type(model).__name__} already has {len(done)} DCMHA layer(s) "
+                         f"(e.g. {done[0]!r}); it was converted before or is a dcvit model. "
+                         "Convert the original model once, with every option at once")
+    found = [(n, m) for n, m in model.named_modules() if type(m) in _CONVERTERS]
+    if not found:
+        others = sorted({t for _, t in _attention_like(model)})
+        what = f"its attention modules are of unsupported type(s) {others}" if others else \
+            "it has no attention module of a supported type"
+        raise ValueError(f"{where}: nothing to convert in {type(model).__name__}: {what}. "
+                         f"Supported: {_supported_text()}")
+    selected = resolve_layers(layers, len(found), where, name)
+    for i in selected:
+        module_name, module = found[i]
+        layer = _CONVERTERS[type(module)](module, options, f"attention layer {i} ({module_name!r})")
+        layer.train(module.training)
+        if init == "identity":
+            _identity_init(layer)
+        parent_name, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    return selected, len(found)
 
 
 def is_dcmha_key(key: str) -> bool:

@@ -281,7 +281,7 @@ def test_bad_input_shape_is_explained(shape):
 
 
 def test_unknown_layer_option_is_explained():
-    with pytest.raises(TypeError, match=r"unknown DCMHA option\(s\) \['rnak'\]"):
+    with pytest.raises(TypeError, match=r"unknown DCMHA option\(s\) \['rnak'\]"), pytest.deprecated_call():
         dcvit.dcmha_layer(rnak=2)
 
 

@@ -192,6 +192,24 @@ def test_converted_vit_has_a_dcvit_state_dict():
         {k: v.shape for k, v in dcv.state_dict().items()}
 
 
+def test_dcvit_models_are_a_converted_vit_with_the_paper_init():
+    torch.manual_seed(0)
+    dcv = timm.create_model("dcvit_tiny_patch16_224", img_size=32, qk_norm=True, qk_norm_bias=False, rank=1)
+    torch.manual_seed(0)
+    vit = dcvit.convert(timm.create_model("vit_tiny_patch16_224", img_size=32, qk_norm=True), init="paper",
+                        qk_norm_bias=False, rank=1)
+    assert list(dcv.state_dict()) == list(vit.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(dcv.state_dict().values(), vit.state_dict().values()))
+    attn = vit.blocks[0].attn
+    assert attn.q_norm.bias is None and attn.options.qk_norm_bias is False   # scale-only, as asked
+
+
+def test_scale_only_conversion_refuses_to_drop_a_trained_bias():
+    model = build("deit3_reg_qknorm")
+    with pytest.raises(ValueError, match="trained q_norm bias, which qk_norm_bias=False would drop"):
+        dcvit.convert(model, qk_norm_bias=False)
+
+
 @pytest.mark.parametrize("family", ["vit", "eva02", "swin"])
 def test_state_dict_and_pickle_round_trip(family):
     original = build(family)

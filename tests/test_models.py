@@ -88,7 +88,7 @@ def test_dcmha_layers_mixes_plain_and_dcmha_blocks():
     (dict(query_wsie=False), TypeError, r"did you mean 'query_wise'"),
     (dict(num_heads=5), ValueError, r"num_heads=5 must divide dim=384"),
     (dict(rank=0), ValueError, r"rank must be an integer >= 1"),
-    (dict(dcmha_layers=[12]), ValueError, r"dcmha_layers entry 12 is not a block index in \[0, 12\)"),
+    (dict(dcmha_layers=[12]), ValueError, r"dcmha_layers entry 12 is not an attention-layer index in \[0, 12\)"),
 ])
 def test_bad_options_are_explained(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
