@@ -36,7 +36,7 @@ from fvcore.nn import FlopCountAnalysis, parameter_count
 from fvcore.nn.jit_handles import get_shape
 from torch import nn
 
-from .attention import DCMHA
+from .attention import DCMHA, DCMHA_PARTS, hidden_width
 from .fused import attention_impl, attention_macs
 from .matrices import compose_stage_macs
 
@@ -51,7 +51,7 @@ MATMUL_OPS = frozenset({"conv", "linear", "matmul", "mm", "bmm", "addmm", "einsu
                         "scaled_dot_product_attention"})
 
 # Modules that are always rows of the per-module table, whatever its depth.
-_OVERHEAD_MODULES = ("dynamic_weights", "pre_compose", "post_compose")
+_OVERHEAD_MODULES = DCMHA_PARTS
 
 
 def _parse_einsum(equation: str, shapes: Sequence[Sequence[int]]) -> Tuple[List[str], str]:
@@ -276,17 +276,17 @@ def _norm_macs(norm: nn.Module, elements: int) -> int:
 def _dcmha_macs(attn: DCMHA, n: int) -> Dict[str, int]:
     """DCMHA's additions to one attention layer over n tokens (docs/spec.md §1.2, formula per term)."""
     o, c, h = attn.options, attn.dim, attn.num_heads
-    r, k = o["rank"], 4 * h
+    r, k = o.rank, hidden_width(h)
     slots = attn.slots.count
     out = {"dynamic_weights": 0, "pre_compose": 0, "post_compose": 0}
-    if o["dynamic_proj"]:
+    if o.dynamic_proj:
         out["dynamic_weights"] += n * c * slots * k          # x @ dw1 -> (N, G, K)
         out["dynamic_weights"] += n * slots * k * 2 * r * h  # hidden @ qkw -> (N, G, 2R, H)
-    if o["dynamic_gate"]:
+    if o.dynamic_gate:
         out["dynamic_weights"] += n * c * slots * h          # x @ dd_w -> (N, G·H)
     for stage, module in (("pre", attn.pre_compose), ("post", attn.post_compose)):
         if module is not None:                               # per (t, s): low-rank and static terms
-            out[stage + "_compose"] += n * n * compose_stage_macs(attn.slots, stage, h, r, o["dynamic_proj"],
+            out[stage + "_compose"] += n * n * compose_stage_macs(attn.slots, stage, h, r, o.dynamic_proj,
                                                                   module.static is not None)
     return out
 

@@ -15,6 +15,8 @@ modules. `dcvit.attention_maps` forces the reference core itself; around your ow
 """
 import copy
 import math
+import warnings
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, Optional, Tuple, Type
 
 import torch
@@ -23,33 +25,120 @@ from timm.layers import Attention, register_notrace_module
 from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
+from .cli import did_you_mean
 from .compose import compose_unchecked
 from .fused import composed_attention, composed_attention_compile, select_impl
 from .matrices import (ComposeMatrices, ComposeSlots, compose_stage_macs, rms_normalize,
                        slot_matrices, slot_matrices_from_projections, stage_matrices)
 
-__all__ = ["DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer"]
-
-# The ablation switches of docs/spec.md §1.3 and their defaults. `dcmha_layers` is a model-level
-# option (which blocks get DCMHA) and lives in dcvit.models.
-DCMHA_OPTIONS: Dict[str, Any] = dict(
-    rank=2,
-    query_wise=True,
-    key_wise=True,
-    pre_compose=True,
-    post_compose=True,
-    dynamic_proj=True,
-    dynamic_gate=True,
-    static_proj=False,
-    static_init="zeros",
-    dynamic_act="gelu",
-    dynamic_drop=0.0,
-    qk_norm_bias=True,
-)
+__all__ = ["DCMHA", "DCMHAOptions", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "DCMHA_PARTS",
+           "hidden_width", "dcmha_layer"]
 
 # Values of the string options.
 STATIC_INITS = ("zeros", "normal")
 DYNAMIC_ACTS = ("gelu", "gelu_tanh")
+
+# The submodules that hold DCMHA's own parameters in every DCMHA layer (dcvit's and converted
+# ones): what a conversion adds to a model, and what a plain ViT checkpoint lacks.
+DCMHA_PARTS = ("dynamic_weights", "pre_compose", "post_compose")
+
+
+def hidden_width(num_heads: int) -> int:
+    """K, the width of `DynamicWeights`' hidden layer: 4H (the authors' setting)."""
+    return 4 * num_heads
+
+
+@dataclass(frozen=True)
+class DCMHAOptions:
+    """The DCMHA options: the paper's ablations (docs/spec.md §1.3) and their defaults.
+
+    Attributes:
+        rank: R of the low-rank dynamic projections (>= 1).
+        query_wise, key_wise: compose with weights generated per query / per key token.
+        pre_compose, post_compose: compose the scores (before softmax) / weights (after).
+        dynamic_proj, dynamic_gate: use the low-rank projections / the diagonal gates.
+        static_proj: add a learned static H×H matrix (Talking-Heads) in each Compose stage.
+        static_init: its initialisation, "zeros" or "normal" (N(0, 0.1·sqrt(1/H)), the
+            authors' vision models).
+        dynamic_act: activation of the dynamic-weight hidden layer, "gelu" (exact) or
+            "gelu_tanh" (tanh approximation, the authors' vision models).
+        dynamic_drop: dropout rate on the dynamic hidden layer and on the gates.
+        qk_norm_bias: with ``qk_norm``, whether the q/k norms have a bias (False: the
+            authors' scale-only LayerNorm).
+
+    Every option is a keyword of `DCMHA`, `dcvit.convert` and ``timm.create_model`` for the
+    DCViT models; a bad value or a combination that composes nothing raises on construction.
+    (Which blocks get DCMHA, ``dcmha_layers``, is a model option of `dcvit.models`.)
+    """
+
+    rank: int = 2
+    query_wise: bool = True
+    key_wise: bool = True
+    pre_compose: bool = True
+    post_compose: bool = True
+    dynamic_proj: bool = True
+    dynamic_gate: bool = True
+    static_proj: bool = False
+    static_init: str = "zeros"
+    dynamic_act: str = "gelu"
+    dynamic_drop: float = 0.0
+    qk_norm_bias: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"DCMHA: rank must be an integer >= 1, got {self.rank!r}")
+        if self.static_init not in STATIC_INITS:
+            raise ValueError(f"DCMHA: static_init must be one of {STATIC_INITS}, got {self.static_init!r}")
+        if self.dynamic_act not in DYNAMIC_ACTS:
+            raise ValueError(f"DCMHA: dynamic_act must be one of {DYNAMIC_ACTS}, got {self.dynamic_act!r}")
+        if not isinstance(self.dynamic_drop, (int, float)) or not 0.0 <= self.dynamic_drop < 1.0:
+            raise ValueError(f"DCMHA: dynamic_drop must be a rate in [0, 1), got {self.dynamic_drop!r}")
+        not_bool = {f.name: getattr(self, f.name) for f in fields(self)
+                    if f.type is bool and not isinstance(getattr(self, f.name), bool)}
+        if not_bool:  # a string such as "no" would read as True
+            raise TypeError(f"DCMHA: {', '.join(f'{k}={v!r}' for k, v in not_bool.items())} must "
+                            f"be True or False")
+        if not (self.composes("pre") or self.composes("post")):
+            raise ValueError(f"DCMHA: options {self} compose nothing; enable at least one of "
+                             "pre_compose/post_compose, one of query_wise/key_wise and one of "
+                             "dynamic_proj/dynamic_gate/static_proj (or use timm.layers.Attention)")
+
+    @classmethod
+    def of(cls, where: str = "DCMHA", base: Optional["DCMHAOptions"] = None,
+           **options: Any) -> "DCMHAOptions":
+        """``base`` (default: the defaults) with ``options`` replaced; an unknown name raises
+        ``TypeError`` naming ``where``, the closest option and all of them."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"{where}: unknown DCMHA option(s) {unknown}{did_you_mean(unknown[0], names)} "
+                            f"(valid options: {names})")
+        return replace(base or cls(), **options)
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The options as keyword arguments (for ``timm.create_model``, records, JSON)."""
+        return asdict(self)
+
+    def __getitem__(self, name: str) -> Any:
+        """``options["rank"]``, as when a layer's options were a dict: deprecated."""
+        warnings.warn(f"layer.options[{name!r}] is deprecated; use layer.options.{name}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self, name)
+
+    @property
+    def slots(self) -> ComposeSlots:
+        """The dynamic (stage, side) slots these options give (`ComposeSlots`)."""
+        return ComposeSlots.from_options(self.pre_compose, self.post_compose, self.query_wise,
+                                         self.key_wise, self.dynamic_proj or self.dynamic_gate)
+
+    def composes(self, stage: str) -> bool:
+        """Whether Compose stage ``"pre"`` or ``"post"`` exists (with a dynamic or static term)."""
+        on = self.pre_compose if stage == "pre" else self.post_compose
+        return on and (self.static_proj or self.slots.stage(stage) != (None, None))
+
+
+# The defaults by name (for code that reads a dict; `DCMHAOptions` is the source).
+DCMHA_OPTIONS: Dict[str, Any] = DCMHAOptions().as_dict()
 
 ComposeWeights = Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor],
                        Optional[Tensor], Optional[Tensor], Optional[Tensor]]
@@ -88,7 +177,7 @@ class DynamicWeights(nn.Module):
     One "slot" per (stage, side) that is composed, out of
     ``pre-query, pre-key, post-query, post-key``. For x of shape (B, N, C)::
 
-        hidden = gelu(einsum('bnc,cgk->bngk', x, dw1))      # (B, N, G, K), K = 4H
+        hidden = gelu(einsum('bnc,cgk->bngk', x, dw1))      # (B, N, G, K), K = 4H (hidden_width)
         hidden = dropout(hidden)                             # dynamic_drop (default 0)
         w      = einsum('bngk,gkih->bngih', hidden, qkw)     # (B, N, G, 2R, H)
         w1, w2 = w.split(R, dim=-2)                          # (B, N, G, R, H) each
@@ -110,7 +199,7 @@ class DynamicWeights(nn.Module):
         super().__init__()
         dd = {"device": device, "dtype": dtype}
         self.dim, self.num_heads, self.num_slots, self.rank = dim, num_heads, num_slots, rank
-        self.hidden_dim = 4 * num_heads
+        self.hidden_dim = hidden_width(num_heads)
         # "gelu": exact (erf) GELU; "gelu_tanh": its tanh approximation (flax's nn.gelu).
         self.approximate = "tanh" if dynamic_act == "gelu_tanh" else "none"
         # Dropout on the hidden layer and on the gates (the authors' dynamic_dropout_rate).
@@ -206,6 +295,30 @@ class Compose(nn.Module):
         return f"num_heads={self.num_heads}, static_proj={self.static is not None}"
 
 
+def check_heads(dim: int, num_heads: int) -> None:
+    """DCMHA's heads split the width evenly (a ``ValueError`` listing valid counts otherwise)."""
+    if num_heads < 1 or dim % num_heads != 0:
+        raise ValueError(f"DCMHA: num_heads={num_heads} must divide dim={dim} "
+                         f"(valid head counts: {[h for h in range(1, dim + 1) if dim % h == 0][:12]}...)")
+
+
+def init_compose(layer: nn.Module, dim: int, num_heads: int, options: DCMHAOptions,
+                 device=None, dtype=None) -> None:
+    """Give ``layer`` DCMHA's own parts for input width ``dim``: ``dynamic_weights``,
+    ``pre_compose``, ``post_compose`` (each None when ``options`` do not use it), ``slots``
+    and ``attn_impl``, the attention core it runs: "auto" (by device, dtype and context) or
+    one of dcvit.fused.IMPLS to force it (``dcvit.fused.attention_impl(...)`` overrides all)."""
+    dd = {"device": device, "dtype": dtype}
+    o = layer.options = options
+    layer.slots = o.slots
+    layer.dynamic_weights = DynamicWeights(
+        dim, num_heads, layer.slots.count, o.rank, o.dynamic_proj, o.dynamic_gate, o.dynamic_act,
+        float(o.dynamic_drop), **dd) if layer.slots.count else None
+    layer.pre_compose = Compose(num_heads, o.static_proj, o.static_init, **dd) if o.composes("pre") else None
+    layer.post_compose = Compose(num_heads, o.static_proj, o.static_init, **dd) if o.composes("post") else None
+    layer.attn_impl = "auto"
+
+
 class DCMHA(nn.Module):
     """Dynamically Composable Multi-Head Attention (self-attention).
 
@@ -213,18 +326,8 @@ class DCMHA(nn.Module):
         dim, num_heads, qkv_bias, qk_norm, scale_norm, proj_bias, attn_drop, proj_drop,
         norm_layer, device, dtype.
     Args (the paper's ablations, docs/spec.md §1.3):
-        rank: R of the low-rank dynamic projections (>= 1).
-        query_wise, key_wise: compose with weights generated per query / per key token.
-        pre_compose, post_compose: compose the scores (before softmax) / weights (after).
-        dynamic_proj, dynamic_gate: use the low-rank projections / the diagonal gates.
-        static_proj: add a learned static H×H matrix (Talking-Heads) in each Compose stage.
-        static_init: its initialisation, "zeros" or "normal" (N(0, 0.1·sqrt(1/H)), the
-            authors' vision models).
-        dynamic_act: activation of the dynamic-weight hidden layer, "gelu" (exact) or
-            "gelu_tanh" (tanh approximation, the authors' vision models).
-        dynamic_drop: dropout rate on the dynamic hidden layer and on the gates.
-        qk_norm_bias: with ``qk_norm``, whether the q/k norms have a bias (False: the
-            authors' scale-only LayerNorm).
+        options: a `DCMHAOptions` (default: its defaults), and/or
+        **option_kwargs: its fields by name (``rank=1, static_proj=True``), over ``options``.
 
     Shapes: ``forward(x (B, N, dim), attn_mask=None, is_causal=False) -> (B, N, dim)``;
     ``attn_mask`` broadcasts to (B, H, N, N), bool (True = keep) or float (added), and is
@@ -244,41 +347,14 @@ class DCMHA(nn.Module):
             attn_drop: float = 0.,
             proj_drop: float = 0.,
             norm_layer: Optional[Type[nn.Module]] = None,
-            rank: int = DCMHA_OPTIONS["rank"],
-            query_wise: bool = DCMHA_OPTIONS["query_wise"],
-            key_wise: bool = DCMHA_OPTIONS["key_wise"],
-            pre_compose: bool = DCMHA_OPTIONS["pre_compose"],
-            post_compose: bool = DCMHA_OPTIONS["post_compose"],
-            dynamic_proj: bool = DCMHA_OPTIONS["dynamic_proj"],
-            dynamic_gate: bool = DCMHA_OPTIONS["dynamic_gate"],
-            static_proj: bool = DCMHA_OPTIONS["static_proj"],
-            static_init: str = DCMHA_OPTIONS["static_init"],
-            dynamic_act: str = DCMHA_OPTIONS["dynamic_act"],
-            dynamic_drop: float = DCMHA_OPTIONS["dynamic_drop"],
-            qk_norm_bias: bool = DCMHA_OPTIONS["qk_norm_bias"],
+            options: Optional[DCMHAOptions] = None,
             device=None,
             dtype=None,
+            **option_kwargs: Any,
     ) -> None:
         super().__init__()
-        if num_heads < 1 or dim % num_heads != 0:
-            raise ValueError(f"DCMHA: num_heads={num_heads} must divide dim={dim} "
-                             f"(valid head counts: {[h for h in range(1, dim + 1) if dim % h == 0][:12]}...)")
-        if not isinstance(rank, int) or rank < 1:
-            raise ValueError(f"DCMHA: rank must be an integer >= 1, got {rank!r}")
-        if static_init not in STATIC_INITS:
-            raise ValueError(f"DCMHA: static_init must be one of {STATIC_INITS}, got {static_init!r}")
-        if dynamic_act not in DYNAMIC_ACTS:
-            raise ValueError(f"DCMHA: dynamic_act must be one of {DYNAMIC_ACTS}, got {dynamic_act!r}")
-        if not 0.0 <= float(dynamic_drop) < 1.0:
-            raise ValueError(f"DCMHA: dynamic_drop must be a rate in [0, 1), got {dynamic_drop!r}")
-        switches = dict(query_wise=query_wise, key_wise=key_wise, pre_compose=pre_compose,
-                        post_compose=post_compose, dynamic_proj=dynamic_proj,
-                        dynamic_gate=dynamic_gate, static_proj=static_proj,
-                        qk_norm_bias=qk_norm_bias)
-        not_bool = {k: v for k, v in switches.items() if not isinstance(v, bool)}
-        if not_bool:  # a string such as "no" would read as True
-            raise TypeError(f"DCMHA: {', '.join(f'{k}={v!r}' for k, v in not_bool.items())} must "
-                            f"be True or False")
+        check_heads(dim, num_heads)
+        self.options = DCMHAOptions.of("DCMHA", options, **option_kwargs)
         if (qk_norm or scale_norm) and norm_layer is None:
             raise ValueError("DCMHA: norm_layer must be given when qk_norm or scale_norm is True")
         dd = {"device": device, "dtype": dtype}
@@ -286,43 +362,20 @@ class DCMHA(nn.Module):
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
         self.scale = self.head_dim ** -0.5
-        self.options = dict(rank=rank, query_wise=query_wise, key_wise=key_wise,
-                            pre_compose=pre_compose, post_compose=post_compose,
-                            dynamic_proj=dynamic_proj, dynamic_gate=dynamic_gate,
-                            static_proj=static_proj, static_init=static_init,
-                            dynamic_act=dynamic_act, dynamic_drop=dynamic_drop,
-                            qk_norm_bias=qk_norm_bias)
         # The same constructor arguments build the matching plain attention (see as_mha).
         self._mha_args = dict(dim=dim, num_heads=num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm,
                               scale_norm=scale_norm, proj_bias=proj_bias, attn_drop=attn_drop,
                               proj_drop=proj_drop, norm_layer=norm_layer)
 
         self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias, **dd)
-        qk = {} if qk_norm_bias else {"bias": False}
+        qk = {} if self.options.qk_norm_bias else {"bias": False}
         self.q_norm = norm_layer(self.head_dim, **qk, **dd) if qk_norm else nn.Identity()
         self.k_norm = norm_layer(self.head_dim, **qk, **dd) if qk_norm else nn.Identity()
         self.attn_drop = nn.Dropout(attn_drop)
         self.norm = norm_layer(dim, **dd) if scale_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim, bias=proj_bias, **dd)
         self.proj_drop = nn.Dropout(proj_drop)
-
-        # Slots of the dynamic weights: (stage, side) pairs that are composed dynamically.
-        self.slots = ComposeSlots.from_options(pre_compose, post_compose, query_wise, key_wise,
-                                               dynamic_proj or dynamic_gate)
-        self.dynamic_weights = DynamicWeights(
-            dim, num_heads, self.slots.count, rank, dynamic_proj, dynamic_gate, dynamic_act,
-            float(dynamic_drop), **dd) if self.slots.count else None
-        pre_on = pre_compose and (static_proj or self.slots.stage("pre") != (None, None))
-        post_on = post_compose and (static_proj or self.slots.stage("post") != (None, None))
-        if not (pre_on or post_on):
-            raise ValueError(f"DCMHA: options {self.options} compose nothing; enable at least one of "
-                             "pre_compose/post_compose, one of query_wise/key_wise and one of "
-                             "dynamic_proj/dynamic_gate/static_proj (or use timm.layers.Attention)")
-        self.pre_compose = Compose(num_heads, static_proj, static_init, **dd) if pre_on else None
-        self.post_compose = Compose(num_heads, static_proj, static_init, **dd) if post_on else None
-        # Which attention core runs: "auto" (by device, dtype and context) or one of
-        # dcvit.fused.IMPLS to force it; `dcvit.fused.attention_impl(...)` overrides all layers.
-        self.attn_impl: str = "auto"
+        init_compose(self, dim, num_heads, self.options, **dd)
 
     def _slot(self, w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
               q_slot: Optional[int], k_slot: Optional[int]) -> ComposeWeights:
@@ -428,14 +481,14 @@ class DCMHA(nn.Module):
         """The ``timm.layers.Attention`` with this layer's configuration and qkv/proj weights."""
         ref = next(self.qkv.parameters())
         mha = Attention(**self._mha_args, device=ref.device, dtype=ref.dtype)
-        if not self.options["qk_norm_bias"]:                 # the same (bias-free) q/k norms
+        if not self.options.qk_norm_bias:                    # the same (bias-free) q/k norms
             mha.q_norm, mha.k_norm = copy.deepcopy(self.q_norm), copy.deepcopy(self.k_norm)
         missing, unexpected = mha.load_state_dict(self.state_dict(), strict=False)
         assert not missing, missing
         return mha
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())
 
 
 # timm's FX tracer (feature extraction, ``features_only=True, feature_cls="fx"``) keeps the
@@ -445,22 +498,20 @@ register_notrace_module(DCMHA)
 
 
 def dcmha_layer(**options: Any) -> Type[DCMHA]:
-    """A `DCMHA` class with the given ablation options as its defaults.
+    """Deprecated: a `DCMHA` class with ``options`` as its defaults, for timm's ``attn_layer=``.
 
-    timm builds attention layers from a class (``attn_layer=``) with its own fixed keyword
-    arguments; this binds the DCMHA options to such a class.
+    Build the timm model and `dcvit.convert` it (as the ``dcvit_*`` models are built), or
+    give `DCMHA` a `DCMHAOptions`. Instances are plain `DCMHA` (they pickle).
     """
-    unknown = sorted(set(options) - set(DCMHA_OPTIONS))
-    if unknown:
-        raise TypeError(f"unknown DCMHA option(s) {unknown}; valid options: {sorted(DCMHA_OPTIONS)}")
-    bound = dict(options)
+    warnings.warn("dcvit.dcmha_layer is deprecated: build the timm model and dcvit.convert(model, "
+                  "init='paper', **options) it, or pass DCMHA(options=DCMHAOptions(...))",
+                  DeprecationWarning, stacklevel=2)
+    bound = DCMHAOptions.of("dcmha_layer", **options)
 
     class ConfiguredDCMHA(DCMHA):
         def __init__(self, dim: int, **kwargs: Any) -> None:
-            super().__init__(dim, **{**bound, **kwargs})
-            # A plain DCMHA once built (its options live on the instance): instances of a
-            # class defined in this function could not be pickled.
-            self.__class__ = DCMHA
+            super().__init__(dim, options=bound, **kwargs)
+            self.__class__ = DCMHA       # instances of a class made here could not be pickled
 
     ConfiguredDCMHA.__name__ = ConfiguredDCMHA.__qualname__ = "DCMHA"
     return ConfiguredDCMHA

@@ -1,10 +1,12 @@
-"""Command-line helpers shared by ``dcvit-report`` and the scripts."""
+"""Command-line helpers shared by ``dcvit-report`` and the scripts: ``key=value`` parsing and
+the "did you mean" hint of every unknown-name message."""
 import ast
-from typing import Any, Dict, Sequence
+import difflib
+from typing import Any, Dict, Iterable, Sequence
 
 import yaml
 
-__all__ = ["parse_kwargs"]
+__all__ = ["parse_kwargs", "did_you_mean"]
 
 
 def _value(text: str) -> Any:
@@ -38,3 +40,9 @@ def parse_kwargs(items: Sequence[str], flag: str = "--model-kwargs") -> Dict[str
             raise ValueError(f"{flag} entry {item!r}: cannot parse the value {text!r} as YAML "
                              f"({str(e).splitlines()[0]}); quote a string, e.g. {key}='...'") from e
     return out
+
+
+def did_you_mean(name: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6) -> str:
+    """``"; did you mean 'rank'?"`` for the choices close to ``name``, or ``""`` when none is."""
+    close = difflib.get_close_matches(name, sorted(choices), n=n, cutoff=cutoff)
+    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""

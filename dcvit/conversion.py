@@ -49,9 +49,9 @@ from timm.models.eva import EvaAttention
 from timm.models.swin_transformer import WindowAttention
 from torch import Tensor, nn
 
-from .attention import DCMHA, DCMHA_OPTIONS, _eager_core
+from .attention import DCMHA, DCMHA_PARTS, DCMHAOptions, _eager_core
 
-__all__ = ["convert", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
+__all__ = ["convert", "convert_layers", "resolve_layers", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
            "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
            "dcmha_parameters", "fit_state_dict"]
 
@@ -75,7 +75,7 @@ SUPPORTED: Dict[str, str] = {
 torch.fx.wrap("_eager_core")
 
 # Submodule names of the DCMHA parameters in every converted layer.
-DCMHA_STATE_PARTS = ("dynamic_weights", "pre_compose", "post_compose")
+DCMHA_STATE_PARTS = DCMHA_PARTS
 
 
 class _ComposedCore:
@@ -92,7 +92,7 @@ class _ComposedCore:
     _matrices = DCMHA._matrices
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.options.items())
+        return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())
 
 
 class DCEvaAttention(_ComposedCore, EvaAttention):
@@ -189,7 +189,7 @@ def _device_dtype(module: nn.Module) -> Dict[str, Any]:
     return {"device": p.device, "dtype": p.dtype}
 
 
-def _from_attention(attn: Attention, options: Dict[str, Any], where: str) -> DCMHA:
+def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA:
     dim = attn.qkv.in_features
     variants = []
     if getattr(attn, "gate", None) is not None:
@@ -205,8 +205,18 @@ def _from_attention(attn: Attention, options: Dict[str, Any], where: str) -> DCM
         dim, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
         qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
         proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
-        norm_layer=_norm_layer(attn.q_norm, attn.norm), **options, **_device_dtype(attn)), where, dim, attn.num_heads)
-    for name in ("qkv", "q_norm", "k_norm", "norm", "proj", "attn_drop", "proj_drop"):
+        norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn)), where, dim, attn.num_heads)
+    taken = ["qkv", "norm", "proj", "attn_drop", "proj_drop"]
+    if options.qk_norm_bias or getattr(attn.q_norm, "bias", None) is None:
+        taken += ["q_norm", "k_norm"]
+    else:                          # scale-only q/k norms asked for: DCMHA's own, with the scales
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name)
+            if norm.bias.device.type != "meta" and bool(norm.bias.any()):
+                raise ValueError(f"convert: {where} has a trained {name} bias, which qk_norm_bias=False "
+                                 "would drop; convert with qk_norm_bias=True")
+            getattr(layer, name).weight = norm.weight
+    for name in taken:
         setattr(layer, name, getattr(attn, name))                # the very same modules and weights
     return layer
 
@@ -221,10 +231,10 @@ def _check_dims(build: Callable[[], DCMHA], where: str, dim: int, num_heads: int
         raise
 
 
-def _with_core(module: nn.Module, cls: type, dim: int, options: Dict[str, Any], where: str) -> nn.Module:
+def _with_core(module: nn.Module, cls: type, dim: int, options: DCMHAOptions, where: str) -> nn.Module:
     """A ``cls`` (a `_ComposedCore` subclass of ``type(module)``) holding module's submodules,
     parameters and buffers plus the DCMHA parts of a `DCMHA` built with ``options``."""
-    template = _check_dims(lambda: DCMHA(dim, module.num_heads, **options, **_device_dtype(module)),
+    template = _check_dims(lambda: DCMHA(dim, module.num_heads, options=options, **_device_dtype(module)),
                            where, dim, module.num_heads)
     layer = cls.__new__(cls)
     layer.__dict__ = dict(module.__dict__)
@@ -238,22 +248,22 @@ def _with_core(module: nn.Module, cls: type, dim: int, options: Dict[str, Any], 
     return layer
 
 
-def _from_eva(attn: EvaAttention, options: Dict[str, Any], where: str) -> DCEvaAttention:
+def _from_eva(attn: EvaAttention, options: DCMHAOptions, where: str) -> DCEvaAttention:
     dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
     return _with_core(attn, DCEvaAttention, dim, options, where)
 
 
-def _from_rope(attn: AttentionRope, options: Dict[str, Any], where: str) -> DCAttentionRope:
+def _from_rope(attn: AttentionRope, options: DCMHAOptions, where: str) -> DCAttentionRope:
     dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
     return _with_core(attn, DCAttentionRope, dim, options, where)
 
 
-def _from_window(attn: WindowAttention, options: Dict[str, Any], where: str) -> DCWindowAttention:
+def _from_window(attn: WindowAttention, options: DCMHAOptions, where: str) -> DCWindowAttention:
     return _with_core(attn, DCWindowAttention, attn.qkv.in_features, options, where)
 
 
 # Exact types only: a subclass may compute attention differently.
-_CONVERTERS: Dict[type, Callable[[Any, Dict[str, Any], str], nn.Module]] = {
+_CONVERTERS: Dict[type, Callable[[Any, DCMHAOptions, str], nn.Module]] = {
     Attention: _from_attention,
     EvaAttention: _from_eva,
     AttentionRope: _from_rope,
@@ -280,16 +290,20 @@ def _attention_like(model: nn.Module) -> List[Tuple[str, str]]:
             if type(m) not in _CONVERTERS and any(w in type(m).__name__ for w in ("Attention", "Attn"))]
 
 
-def _resolve(layers: Optional[Iterable[int]], count: int) -> List[int]:
+def resolve_layers(layers: Optional[Iterable[int]], count: int, where: str = "convert",
+                   name: str = "layers") -> List[int]:
+    """The sorted indices ``layers`` (None: all; negative ones count from the end) names among
+    ``count`` attention layers; a bad entry raises naming ``where`` and the argument ``name``."""
     if layers is None:
         return list(range(count))
-    if isinstance(layers, int) or isinstance(layers, str):
-        raise TypeError(f"convert: layers={layers!r} must be a list of layer indices, e.g. layers=[0, 1]")
+    if isinstance(layers, (int, str)):
+        raise TypeError(f"{where}: {name}={layers!r} must be a list of attention-layer indices, e.g. "
+                        f"{name}=[{layers}] (or None for every layer)")
     out = set()
     for i in layers:
         if not isinstance(i, int) or isinstance(i, bool) or not -count <= i < count:
-            raise ValueError(f"convert: layers entry {i!r} is not an attention-layer index in "
-                             f"[0, {count}) (the model has {count}; negative indices count from the end)")
+            raise ValueError(f"{where}: {name} entry {i!r} is not an attention-layer index in [0, {count}) "
+                             f"(the model has {count}; negative indices count from the end)")
         out.add(i % count)
     return sorted(out)
 
@@ -308,7 +322,7 @@ def _identity_init(layer: nn.Module) -> None:
 
 
 def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str = "identity",
-            **dcmha_options: Any) -> nn.Module:
+            options: Optional[DCMHAOptions] = None, **dcmha_options: Any) -> nn.Module:
     """Replace the attention layers of ``model`` with DCMHA layers holding the same weights.
 
     Args:
@@ -317,46 +331,53 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
             (a ViT's or EVA's block index; Swin counts blocks across its stages); default all.
         init: ``"identity"`` (the converted model computes the original function exactly) or
             ``"paper"`` (the authors' initialisation of the dynamic weights).
-        **dcmha_options: the DCMHA options of docs/spec.md §1.3 (``rank``, ``query_wise``, ...).
+        options, **dcmha_options: the DCMHA options of docs/spec.md §1.3, as a
+            `DCMHAOptions` and/or by name (``rank``, ``query_wise``, ...).
 
     Returns ``model`` (changed in place; the replaced modules are left as they were). The
     layers keep ``model``'s device, dtype and train/eval mode.
     """
-    unknown = sorted(set(dcmha_options) - set(DCMHA_OPTIONS))
-    if unknown:
-        raise TypeError(f"convert: unknown DCMHA option(s) {unknown}; valid options: {sorted(DCMHA_OPTIONS)}")
+    options = DCMHAOptions.of("convert", options, **dcmha_options)
     if init not in INITS:
         raise ValueError(f"convert: init={init!r} is not one of {INITS}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module (a timm model), got {type(model).__name__}")
-    done = converted_layers(model)
-    if done:
-        raise ValueError(f"convert: {type(model).__name__} already has {len(done)} DCMHA layer(s) "
-                         f"(e.g. {done[0]!r}); it was converted before or is a dcvit model. "
-                         "Convert the original model once, with every option at once")
-    found = [(name, m) for name, m in model.named_modules() if type(m) in _CONVERTERS]
-    if not found:
-        others = sorted({t for _, t in _attention_like(model)})
-        what = f"its attention modules are of unsupported type(s) {others}" if others else \
-            "it has no attention module of a supported type"
-        raise ValueError(f"convert: nothing to convert in {type(model).__name__}: {what}. "
-                         f"Supported: {_supported_text()}")
-    selected = _resolve(layers, len(found))
-    for i in selected:
-        name, module = found[i]
-        layer = _CONVERTERS[type(module)](module, dict(dcmha_options), f"attention layer {i} ({name!r})")
-        layer.train(module.training)
-        if init == "identity":
-            _identity_init(layer)
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    selected, found = convert_layers(model, layers, init, options)
     skipped = [f"{n} ({t})" for n, t in _attention_like(model) if not isinstance(model.get_submodule(n), _ComposedCore)]
     if skipped:
         _logger.warning("convert: left %d module(s) of other attention types as they are: %s",
                         len(skipped), ", ".join(skipped))
     _logger.info("convert: %d of %d attention layers of %s now use DCMHA (init=%s, options=%s)",
-                 len(selected), len(found), type(model).__name__, init, dcmha_options)
+                 len(selected), found, type(model).__name__, init, options)
     return model
+
+
+def convert_layers(model: nn.Module, layers: Optional[Iterable[int]], init: str, options: DCMHAOptions,
+                   where: str = "convert", name: str = "layers") -> Tuple[List[int], int]:
+    """`convert`'s work, without its argument checks and log messages (the ``dcvit_*`` models
+    call it while they are built): the indices converted and the number of attention layers."""
+    done = converted_layers(model)
+    if done:
+        raise ValueError(f"{where}: {type(model).__name__} already has {len(done)} DCMHA layer(s) "
+                         f"(e.g. {done[0]!r}); it was converted before or is a dcvit model. "
+                         "Convert the original model once, with every option at once")
+    found = [(n, m) for n, m in model.named_modules() if type(m) in _CONVERTERS]
+    if not found:
+        others = sorted({t for _, t in _attention_like(model)})
+        what = f"its attention modules are of unsupported type(s) {others}" if others else \
+            "it has no attention module of a supported type"
+        raise ValueError(f"{where}: nothing to convert in {type(model).__name__}: {what}. "
+                         f"Supported: {_supported_text()}")
+    selected = resolve_layers(layers, len(found), where, name)
+    for i in selected:
+        module_name, module = found[i]
+        layer = _CONVERTERS[type(module)](module, options, f"attention layer {i} ({module_name!r})")
+        layer.train(module.training)
+        if init == "identity":
+            _identity_init(layer)
+        parent_name, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
+    return selected, len(found)
 
 
 def is_dcmha_key(key: str) -> bool:

@@ -11,7 +11,7 @@ from typing import Any, Dict
 
 from torch import nn
 
-from .attention import DCMHA, DCMHA_OPTIONS
+from .attention import DCMHA
 
 __all__ = ["model_args"]
 
@@ -29,7 +29,7 @@ def model_args(model: nn.Module) -> Dict[str, Any]:
         raise TypeError(f"model_args expects a DCViT (a VisionTransformer with .blocks), "
                         f"got {type(model).__name__}")
     layers = {i: b.attn for i, b in enumerate(blocks) if isinstance(getattr(b, "attn", None), DCMHA)}
-    options = [{k: v for k, v in layer.options.items() if k in DCMHA_OPTIONS} for layer in layers.values()]
+    options = [layer.options.as_dict() for layer in layers.values()]
     if any(o != options[0] for o in options[1:]):
         raise ValueError("the model's DCMHA layers have different options; timm's create_model "
                          "builds one set for all layers, so this model cannot be rebuilt from model_args")

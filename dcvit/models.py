@@ -1,5 +1,8 @@
 """DCViT: timm's VisionTransformer with DCMHA as its attention layer (docs/spec.md §2).
 
+A DCViT is built as timm's ``VisionTransformer`` (or ``model_cls``) and then converted by
+`dcvit.conversion` with the paper's initialisation: the same path as ``dcvit.convert``.
+
 ``import dcvit`` registers these names with timm's registry::
 
     dcvit_tiny_patch16_224   (dcvit_tiny)     192 dim, 12 blocks,  3 heads
@@ -11,7 +14,6 @@ and the ViT-M/16 baseline ``vit_medium_patch16_224`` where timm lacks it. Every 
 of docs/spec.md §1.3 and ``dcmha_layers`` (indices of the blocks that use DCMHA; default all) are
 keyword arguments of ``timm.create_model``.
 """
-import difflib
 import inspect
 import logging
 from typing import Any, Dict, Iterable, Optional, Type
@@ -21,6 +23,8 @@ from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import vision_transformer as timm_vit
 from timm.models.vision_transformer import VisionTransformer
+
+from .cli import did_you_mean
 
 __all__ = ["DCVIT_MODELS", "checkpoint_filter_fn", "create_vit_family"]
 
@@ -62,40 +66,24 @@ def _check_kwargs(variant: str, kwargs: Dict[str, Any], dc: bool = True,
     known = _VIT_KWARGS | _BUILDER_KWARGS | dcmha | set(extra)
     for key in kwargs:
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            where = (f"DCMHA options: {sorted(DCMHA_OPTIONS) + ['dcmha_layers']}" if dc else
+            where = (f"DCMHA options: {sorted(dcmha)}" if dc else
                      "a baseline has no DCMHA options; use the dcvit_* model")
-            raise TypeError(f"{variant}: unknown option {key!r}{hint} ({where})")
-
-
-def _resolve_layers(variant: str, dcmha_layers: Optional[Iterable[int]], depth: int) -> set:
-    if dcmha_layers is None:
-        return set(range(depth))
-    if isinstance(dcmha_layers, (int, str)):
-        raise TypeError(f"{variant}: dcmha_layers={dcmha_layers!r} must be a list of block "
-                        f"indices, e.g. dcmha_layers=[{dcmha_layers}] (or None for every block)")
-    layers = set()
-    for i in dcmha_layers:
-        if not isinstance(i, int) or isinstance(i, bool) or not -depth <= i < depth:
-            raise ValueError(f"{variant}: dcmha_layers entry {i!r} is not a block index in "
-                             f"[0, {depth}) (negative indices count from the end)")
-        layers.add(i % depth)
-    return layers
+            raise TypeError(f"{variant}: unknown option {key!r}{did_you_mean(key, known)} ({where})")
 
 
 def _dcvit(variant: str, dcmha_layers: Optional[Iterable[int]] = None,
            model_cls: Type[VisionTransformer] = VisionTransformer, **kwargs: Any) -> VisionTransformer:
-    """Build the model; blocks outside ``dcmha_layers`` get plain timm Attention."""
-    from .attention import DCMHA_OPTIONS, dcmha_layer
+    """``model_cls(**kwargs)`` converted to DCMHA with the paper's initialisation
+    (`dcvit.convert`), in the blocks ``dcmha_layers`` (default all)."""
+    from .attention import DCMHA_OPTIONS, DCMHAOptions, check_heads
+    from .conversion import convert_layers
     options = {k: kwargs.pop(k) for k in list(kwargs) if k in DCMHA_OPTIONS}
-    if "qk_norm_bias" in options and not options["qk_norm_bias"] and not kwargs.get("qk_norm"):
+    if not options.get("qk_norm_bias", True) and not kwargs.get("qk_norm"):
         options.pop("qk_norm_bias")                      # no q/k norm: nothing to drop a bias from
-    model = model_cls(attn_layer=dcmha_layer(**options), **kwargs)
-    layers = _resolve_layers(variant, dcmha_layers, len(model.blocks))
-    for i, block in enumerate(model.blocks):
-        if i not in layers:
-            block.attn = block.attn.as_mha()
+    options = DCMHAOptions.of(variant, **options)        # checked before the model is built
+    check_heads(kwargs.get("embed_dim", 768), kwargs.get("num_heads", 12))
+    model = model_cls(**kwargs)
+    convert_layers(model, dcmha_layers, "paper", options, variant, "dcmha_layers")
     return model
 
 

@@ -59,7 +59,7 @@ def reference_forward(layer: DCMHA, x, attn_mask=None):
     """The whole DCMHA forward in float64, written without dcvit code."""
     x = x.double()
     p = {k: v.double() for k, v in layer.state_dict().items()}
-    opts = layer.options
+    opts = layer.options.as_dict()
     B_, N_, C_ = x.shape
     h, d = layer.num_heads, C_ // layer.num_heads
     qkv = x @ p["qkv.weight"].T + p.get("qkv.bias", 0)
@@ -281,7 +281,7 @@ def test_bad_input_shape_is_explained(shape):
 
 
 def test_unknown_layer_option_is_explained():
-    with pytest.raises(TypeError, match=r"unknown DCMHA option\(s\) \['rnak'\]"):
+    with pytest.raises(TypeError, match=r"unknown DCMHA option\(s\) \['rnak'\]"), pytest.deprecated_call():
         dcvit.dcmha_layer(rnak=2)
 
 
@@ -306,3 +306,19 @@ def randomize_dynamic_model(model):
     for i, block in enumerate(model.blocks):
         if isinstance(block.attn, DCMHA):
             randomize_dynamic(block.attn, seed=i)
+
+
+def test_options_are_one_frozen_record():
+    from dataclasses import FrozenInstanceError
+    from dcvit.attention import DCMHAOptions
+    with pytest.raises(TypeError, match=r"unknown DCMHA option\(s\) \['rnak'\]; did you mean 'rank'"):
+        DCMHA(C, num_heads=H, rnak=2)
+    options = DCMHAOptions(rank=1, static_proj=True)
+    layer = DCMHA(C, num_heads=H, options=options, query_wise=False)      # keywords over the record
+    assert layer.options == DCMHAOptions(rank=1, static_proj=True, query_wise=False)
+    assert layer.dynamic_weights.qkw.shape[2] == 2 and layer.dynamic_weights.num_slots == 2
+    with pytest.raises(FrozenInstanceError):
+        layer.options.rank = 3
+    with pytest.raises(TypeError, match="static_proj='yes' must be True or False"):
+        DCMHAOptions(static_proj="yes")
+    assert dcvit.DCMHA_OPTIONS == DCMHAOptions().as_dict()

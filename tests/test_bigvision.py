@@ -14,7 +14,7 @@ import torch
 from timm.layers import set_scriptable
 
 import dcvit
-from dcvit.attention import DCMHA
+from dcvit.attention import DCMHA, DCMHAOptions
 from dcvit.bigvision import BigVisionViT, posemb_sincos_2d
 from dcvit.bigvision_npz import load_bigvision_npz, read_npz
 from dcvit.fused import attention_impl
@@ -221,7 +221,7 @@ def test_options_reach_the_layers(name):
     model = timm.create_model(name, static_proj=True, static_init="normal", dynamic_act="gelu_tanh",
                               dynamic_drop=0.3, qk_norm=True, qk_norm_bias=False, **SMALL)
     attn = model.blocks[1].attn
-    assert attn.options["static_init"] == "normal" and attn.pre_compose.static.abs().sum() > 0
+    assert attn.options.static_init == "normal" and attn.pre_compose.static.abs().sum() > 0
     assert attn.dynamic_weights.approximate == "tanh" and attn.dynamic_weights.drop.p == 0.3
     assert attn.q_norm.bias is None and attn.k_norm.weight is not None
 
@@ -229,10 +229,10 @@ def test_options_reach_the_layers(name):
 def test_defaults_of_the_two_families():
     timm_family = timm.create_model("dcvit_small_patch16_224", **SMALL).blocks[0].attn
     bv_family = timm.create_model("dcvit_small_patch16_bv_224", **SMALL).blocks[0].attn
-    assert timm_family.options == {**dcvit.DCMHA_OPTIONS}
+    assert timm_family.options == DCMHAOptions()
     assert timm_family.pre_compose.static is None and isinstance(timm_family.q_norm, torch.nn.Identity)
-    assert bv_family.options == {**dcvit.DCMHA_OPTIONS, **{k: v for k, v in dcvit.BV_DCMHA_OPTIONS.items()
-                                                           if k in dcvit.DCMHA_OPTIONS}}
+    assert bv_family.options == DCMHAOptions.of(**{k: v for k, v in dcvit.BV_DCMHA_OPTIONS.items()
+                                                   if k in DCMHAOptions().as_dict()})
     assert bv_family.pre_compose.static is not None and bv_family.qkv.bias is not None
 
 

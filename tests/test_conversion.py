@@ -179,7 +179,7 @@ def test_options_and_layers_reach_the_layers():
     assert isinstance(model.blocks[0].attn, timm.layers.Attention)
     attn = model.blocks[1].attn
     assert isinstance(attn, DCMHA) and attn.pre_compose is None
-    assert attn.options["rank"] == 1 and attn.post_compose.static is not None
+    assert attn.options.rank == 1 and attn.post_compose.static is not None
     swin = dcvit.convert(build("swin"), layers=[1, 2])
     assert converted_layers(swin) == ["layers.0.blocks.1.attn", "layers.1.blocks.0.attn"]
 
@@ -190,6 +190,24 @@ def test_converted_vit_has_a_dcvit_state_dict():
     converted = dcvit.convert(vit)
     assert {k: v.shape for k, v in converted.state_dict().items()} == \
         {k: v.shape for k, v in dcv.state_dict().items()}
+
+
+def test_dcvit_models_are_a_converted_vit_with_the_paper_init():
+    torch.manual_seed(0)
+    dcv = timm.create_model("dcvit_tiny_patch16_224", img_size=32, qk_norm=True, qk_norm_bias=False, rank=1)
+    torch.manual_seed(0)
+    vit = dcvit.convert(timm.create_model("vit_tiny_patch16_224", img_size=32, qk_norm=True), init="paper",
+                        qk_norm_bias=False, rank=1)
+    assert list(dcv.state_dict()) == list(vit.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(dcv.state_dict().values(), vit.state_dict().values()))
+    attn = vit.blocks[0].attn
+    assert attn.q_norm.bias is None and attn.options.qk_norm_bias is False   # scale-only, as asked
+
+
+def test_scale_only_conversion_refuses_to_drop_a_trained_bias():
+    model = build("deit3_reg_qknorm")
+    with pytest.raises(ValueError, match="trained q_norm bias, which qk_norm_bias=False would drop"):
+        dcvit.convert(model, qk_norm_bias=False)
 
 
 @pytest.mark.parametrize("family", ["vit", "eva02", "swin"])
@@ -288,7 +306,7 @@ def test_accounting_counts_the_converted_layers(family):
     macs = params = 0
     for name in converted_layers(converted):
         attn = converted.get_submodule(name)
-        c, h, r = attn.dim, attn.num_heads, attn.options["rank"]
+        c, h, r = attn.dim, attn.num_heads, attn.options.rank
         params += c * 4 * 4 * h + 4 * 4 * h * 2 * r * h + c * 4 * h
         if family == "swin":
             block = converted.get_submodule(name.rsplit(".", 1)[0])

@@ -66,7 +66,7 @@ def test_create_model_kwargs_reach_the_model():
     assert model.head.out_features == 10 and len(model.blocks) == 3
     attn = model.blocks[0].attn
     assert isinstance(attn, DCMHA)
-    assert attn.options["rank"] == 1 and attn.options["query_wise"] is False
+    assert attn.options.rank == 1 and attn.options.query_wise is False
     assert attn.dynamic_weights.num_slots == 2 and attn.dynamic_weights.qkw.shape[2] == 2
     assert model.blocks[2].drop_path1.drop_prob == pytest.approx(0.1)
     out = model(torch.randn(1, 3, 48, 80))  # dynamic image size
@@ -88,7 +88,7 @@ def test_dcmha_layers_mixes_plain_and_dcmha_blocks():
     (dict(query_wsie=False), TypeError, r"did you mean 'query_wise'"),
     (dict(num_heads=5), ValueError, r"num_heads=5 must divide dim=384"),
     (dict(rank=0), ValueError, r"rank must be an integer >= 1"),
-    (dict(dcmha_layers=[12]), ValueError, r"dcmha_layers entry 12 is not a block index in \[0, 12\)"),
+    (dict(dcmha_layers=[12]), ValueError, r"dcmha_layers entry 12 is not an attention-layer index in \[0, 12\)"),
 ])
 def test_bad_options_are_explained(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):

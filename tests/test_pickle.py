@@ -59,11 +59,12 @@ def test_options_survive_pickling(options):
             assert [type(b.attn).__name__ for b in copy.blocks] == [type(b.attn).__name__ for b in model.blocks]
 
 
-def test_layers_built_by_dcmha_layer_are_plain_dcmha():
-    cls = dcvit.dcmha_layer(rank=3)
+def test_layers_built_by_deprecated_dcmha_layer_are_plain_dcmha():
+    with pytest.deprecated_call():
+        cls = dcvit.dcmha_layer(rank=3)
     layer = cls(24, num_heads=4)
-    assert type(layer) is DCMHA and layer.options["rank"] == 3
-    assert cls(24, num_heads=4, rank=1).options["rank"] == 1        # call-site arguments win
+    assert type(layer) is DCMHA and layer.options.rank == 3
+    assert cls(24, num_heads=4, rank=1).options.rank == 1        # call-site arguments win
     copy = pickle.loads(pickle.dumps(layer))
     x = torch.randn(2, 5, 24)
     assert torch.equal(copy(x), layer(x)) and copy.options == layer.options

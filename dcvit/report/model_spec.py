@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import timm
 from torch import nn
 
-from ..attention import DCMHA_OPTIONS
+from ..attention import DCMHAOptions
 from ..cli import parse_kwargs
 from ..models import DCVIT_MODELS
 
@@ -17,7 +17,7 @@ SIZES = ("tiny", "small", "medium", "base")
 DEFAULT_MODELS = [f"{family}_{size}_patch16_224" for size in SIZES for family in ("vit", "dcvit")]
 
 _ALIASES = {name.split("_patch")[0]: name for name in DCVIT_MODELS}   # dcvit_small -> ..._224
-_MODEL_ONLY = set(DCMHA_OPTIONS) | {"dcmha_layers"}                   # not given to the baseline
+_MODEL_ONLY = set(DCMHAOptions().as_dict()) | {"dcmha_layers"}       # not given to the baseline
 
 
 class ReportError(ValueError):
