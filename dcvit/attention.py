@@ -165,7 +165,7 @@ def _compose_macs(layer: nn.Module) -> int:
     formulation (`dcvit.matrices.compose_stage_macs`), for FLOP counters of the fused core.
     ``layer`` is a `DCMHA` or a converted layer of `dcvit.conversion`."""
     o = layer.options
-    return sum(compose_stage_macs(layer.slots, name, layer.num_heads, o["rank"], o["dynamic_proj"],
+    return sum(compose_stage_macs(layer.slots, name, layer.num_heads, o.rank, o.dynamic_proj,
                                   stage.static is not None)
                for name, stage in (("pre", layer.pre_compose), ("post", layer.post_compose))
                if stage is not None)
