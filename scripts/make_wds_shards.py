@@ -5,10 +5,14 @@ Two source layouts:
 
 * class folders (torchvision ``ImageFolder``): ``SRC/<class_name>/**/<image>``; class index =
   position of the folder name in the sorted list of folder names (torchvision's convention);
+  links are followed, but a link that would read a folder or file twice (a loop, a link into
+  another class folder) or leads nowhere is refused, so each file is read once, labelled by
+  the class folder it is listed in;
 * flat folder (the ImageNet val layout): ``SRC/<image>`` plus ``--labels FILE`` and
   ``--classes`` (train's ``classes.json``) so train and val share one index.
 
-Output, for ``--split train``::
+Without ``--split`` the split comes from the name of ``--src`` (``val``, ``validation`` ->
+val; ``test`` -> test; otherwise train). Output, for ``--split train``::
 
     DIR/train-000000.tar, DIR/train-000001.tar, ...   samples <key>.jpg|png + <key>.cls
     DIR/train.json      {"num_samples", "num_classes", "shards", "samples_per_shard", ...}
@@ -18,8 +22,13 @@ JPEG and PNG files are stored byte for byte (the extension follows the content, 
 becomes ``.jpg``); other formats are re-encoded to PNG (or rejected with
 ``--other-formats error``). The shard plan (which sample goes into which shard, in which
 order) is made in the parent process from the sorted file list and ``--seed``, so the shards
-are byte-identical whatever ``--workers`` is. Each shard is written under a hidden temporary
-name and renamed when complete.
+are byte-identical whatever ``--workers`` is. The conversion holds ``DIR/.lock`` (one
+conversion per folder), writes the shards into a hidden staging folder and moves them in
+only when all are written, metadata last: an interrupted or failed run leaves the previous
+split as it was. A split made from another source folder is replaced only with
+``--overwrite``. ``--verify`` checks each shard with the trainer's verifier
+(`train_imagenet.shard_check.scan_shard`), decoding every image, and each split against its
+metadata.
 
 Examples::
 
@@ -80,14 +89,16 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS) and not name.startswith(".")
 
 
-def _images_below(folder: Path, seen: dict[str, str], problems: list[str]) -> list[tuple[Path, str]]:
+def _images_below(folder: Path, seen: dict[str, str], linked: dict[str, str],
+                  problems: list[str]) -> list[tuple[Path, str]]:
     """(path, real path) of the image files under ``folder``, sorted; hidden names skipped.
 
-    Links are followed, but no real folder or file is read twice: ``seen`` maps each real
-    path read so far (the source root and every class folder included) to the path that
-    reached it first, and a link to one of them (a loop such as ``ln -s .. SRC/1/loop``, a
-    link into another class folder, a second link to one file) is added to ``problems``,
-    as is a link to nothing and an image name that is no regular file.
+    Links are followed, but nothing is read twice: ``seen`` maps each real folder read so
+    far (the source root and every class folder included) to the path that reached it
+    first, ``linked`` each real file reached through a link; a link to one of them (a loop
+    such as ``ln -s .. SRC/1/loop``, a link into another class folder, a second link to one
+    file) is added to ``problems``, as is a link to nothing and an image name that is no
+    regular file. (`_linked_twice` finds links to files that are also read where they lie.)
     """
     found = []
     stack = [(folder, os.path.realpath(folder))]
@@ -106,21 +117,33 @@ def _images_below(folder: Path, seen: dict[str, str], problems: list[str]) -> li
             real = os.path.realpath(path) if link else os.path.join(real_here, entry.name)
             if link and not os.path.exists(real):
                 problems.append(f"{path} -> {os.readlink(path)}: the link's target does not exist")
+            elif entry.is_dir():
+                if real in seen:
+                    problems.append(f"{path}{f' -> {real}' if link else ''}: already read as {seen[real]}")
+                else:
+                    seen[real] = str(path)
+                    stack.append((path, real))
+            elif not _is_image(entry.name):
                 continue
-            is_dir = entry.is_dir()
-            if not is_dir and not _is_image(entry.name):
-                continue
-            if real in seen:
-                problems.append(f"{path}{f' -> {real}' if link else ''}: already read as {seen[real]}")
-                continue
-            seen[real] = str(path)
-            if is_dir:
-                stack.append((path, real))
-            elif entry.is_file():
-                found.append((path, real))
-            else:
+            elif not entry.is_file():
                 problems.append(f"{path} is not a regular file")
+            elif link and real in linked:
+                problems.append(f"{path} -> {real}: already read as {linked[real]}")
+            else:
+                if link:
+                    linked[real] = str(path)
+                found.append((path, real))
     return sorted(found)
+
+
+def _linked_twice(seen: dict[str, str], linked: dict[str, str]) -> list[str]:
+    """Links to image files that are read where they lie as well (in a folder of ``seen``)."""
+    problems = []
+    for real, path in sorted(linked.items(), key=lambda kv: kv[1]):
+        folder, name = os.path.split(real)
+        if folder in seen and _is_image(name):
+            problems.append(f"{path} -> {real}: already read as {os.path.join(seen[folder], name)}")
+    return problems
 
 
 def _refuse_links(src: Path, problems: list[str]) -> None:
@@ -182,7 +205,8 @@ def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str],
             raise ConversionError(f"class folder(s) {unknown[:5]} of {src} are not in --classes "
                                   f"({len(classes)} names); use the classes.json of the same dataset")
     index = {name: i for i, name in enumerate(classes)}
-    seen: dict[str, str] = {os.path.realpath(src): str(src)}
+    root = os.path.realpath(src)
+    seen: dict[str, str] = {root: str(src)}
     problems = [f"{p} -> {os.readlink(p)}: the link's target does not exist"
                 for p in sorted(src.iterdir())
                 if p.is_symlink() and not p.exists() and not p.name.startswith(".")]
@@ -192,12 +216,14 @@ def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str],
             problems.append(f"{src / name} -> {real}: already read as {seen[real]}")
         seen.setdefault(real, str(src / name))
     items: list[tuple[Path, str, int]] = []
+    linked: dict[str, str] = {}
     for name in folders:
-        files = _images_below(src / name, seen, problems)
+        files = _images_below(src / name, seen, linked, problems)
         if not files and not problems:
             _warn(f"class folder {src / name} holds no images (extensions {', '.join(IMG_EXTENSIONS)})")
         items.extend((path, real, index[name]) for path, real in files)
-    _refuse_links(src, problems)
+    del seen[root]  # its loose images are not read
+    _refuse_links(src, problems + _linked_twice(seen, linked))
     if not items:
         raise ConversionError(f"no images found under {src} (looked for {', '.join(IMG_EXTENSIONS)})")
     return classes, items

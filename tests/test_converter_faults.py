@@ -69,7 +69,10 @@ def test_two_links_to_one_file_are_refused(tmp_path, capsys):
     first = sorted((src / "2").iterdir())[0]
     os.symlink(first, src / "0" / "copy.png")
     err = _error(capsys, "--src", src, "--out", tmp_path / "out")
-    assert f"{first}: already read as {src / '0' / 'copy.png'}" in err  # class 0 is read first
+    assert f"{src / '0' / 'copy.png'} -> {first}: already read as {first}" in err
+    os.symlink(first, src / "1" / "copy.png")
+    err = _error(capsys, "--src", src, "--out", tmp_path / "out")
+    assert f"{src / '1' / 'copy.png'} -> {first}: already read as {src / '0' / 'copy.png'}" in err
 
 
 def test_links_out_of_the_source_are_followed_once_with_the_folder_label(tmp_path):
