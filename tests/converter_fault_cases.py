@@ -67,13 +67,22 @@ def overwrite_flag() -> list:
 
 
 def last(p: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    return lines[-1].strip()[:160] if lines else ""
+    """The error line of stderr, else its last line."""
+    lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    return (errors or lines or [""])[-1][:200]
 
 
 def meta(out: Path, split: str):
     path = out / f"{split}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def digests(out: Path, split: str) -> dict:
+    """{file: sha256} of a split's shards and metadata."""
+    import hashlib
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in [*out.glob(f"{split}-*.tar"), *out.glob(f"{split}.json")]}
 
 
 def case_symlink_loop(tmp: Path) -> str:
@@ -96,10 +105,10 @@ def case_val_without_split(tmp: Path) -> str:
     d = make_source(tmp / "d")
     out = tmp / "o"
     assert run("--src", d / "train", "--out", out).returncode == 0
+    train = digests(out, "train")
     p = run("--src", d / "val", "--out", out)
-    m = meta(out, "train")
-    return (f"exit {p.returncode}; train.json: {m['num_samples']} samples "
-            f"({'the val images' if m and m.get('source', '').endswith('val') or p.returncode == 0 else 'train kept'}); "
+    kept = digests(out, "train") == train
+    return (f"exit {p.returncode}; train split {'unchanged' if kept else 'replaced by the val images'}; "
             f"val.json {'written' if meta(out, 'val') else 'absent'}; {last(p) or p.stdout.splitlines()[0]}")
 
 
@@ -119,7 +128,7 @@ def case_two_conversions(tmp: Path) -> str:
     d = make_source(tmp / "d", per_class=40)
     out = tmp / "o"
     delay = "real = mws.encode_image\n" \
-            "def slow(*a):\n    import time; time.sleep(0.05); return real(*a)\n" \
+            "def slow(*a):\n    import time; time.sleep(0.25); return real(*a)\n" \
             "mws.encode_image = slow\n"
     code = lambda src: [sys.executable, "-c", textwrap.dedent(f"""
         import importlib.util, sys
@@ -131,7 +140,7 @@ def case_two_conversions(tmp: Path) -> str:
     for extra in sorted((d / "val" / "0").iterdir())[10:]:   # the second source is smaller
         extra.unlink()
     first = subprocess.Popen(code(d / "train"), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(8)  # the first is writing (imports take a few seconds on a loaded machine)
+    time.sleep(12)  # the first is writing (30 s of it; imports take seconds on a loaded machine)
     second = subprocess.run(code(d / "val"), env=ENV, capture_output=True, text=True, timeout=300)
     out1, err1 = first.communicate(timeout=300)
     m = meta(out, "train")
@@ -206,12 +215,13 @@ def case_ctrl_c(tmp: Path) -> str:
     q = _in_own_group(patch, "--src", d / "train", "--out", out, "--shard-size", 7, "--seed", 1,
                       "--workers", 2)
     after = meta(out, "train")
+    tars = len(list(out.glob("train-*.tar")))
     v = run("--verify", out)
     again = run("--src", d / "train", "--out", out, "--shard-size", 7, "--seed", 1)
     state = ("train.json unchanged" if after == before else
              "train.json gone" if after is None else "train.json changed")
-    tars = len(list(out.glob("train-*.tar")))
-    return (f"interrupted: exit {q.returncode}, {last(q)}; {state}, {tars} train shards; "
+    return (f"interrupted: exit {q.returncode}, {last(q)[:60]}; {state}, {tars} train shards "
+            f"(6 before, 9 after the rerun); "
             f"--verify exit {v.returncode}; rerun exit {again.returncode}, "
             f"verify after rerun exit {run('--verify', out).returncode}")
 
