@@ -119,7 +119,6 @@ def scan_shard(path: str, decode: bool = False) -> Dict[str, Any]:
                         if failure:
                             problems.append(f"key {key!r}: {ext} does not decode ({failure})")
             close(current)
-            current = None
             end = tar.offset                             # where the end-of-archive marker starts
         with open(path, "rb") as f:                      # a cut at a member boundary reads as a
             f.seek(end)                                  # shorter tar: require the marker
