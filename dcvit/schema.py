@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 __all__ = ["SchemaError", "EvalResult", "ShardMeta", "IMAGE_EXTENSIONS", "LABEL_EXTENSION",
-           "CLASSES_FILE", "shard_name", "split_of", "metadata_path", "check_split"]
+           "CLASSES_FILE", "shard_name", "split_of", "metadata_path", "check_split", "split_names"]
 
 # torchvision's IMG_EXTENSIONS without the dots (so a source folder holds the same images for
 # ImageFolder and for the shard writer). The writer stores JPEG and PNG as they are and
@@ -121,6 +121,14 @@ def check_split(split: str) -> Optional[str]:
     return None
 
 
+def split_names(folder: str) -> List[str]:
+    """The splits with metadata in ``folder``: ``<split>.json`` files whose name can name a
+    split (`check_split`), sorted. Hidden files such as the trainer's shard-check cache
+    (``.dcvit-shard-check.json``) and ``classes.json`` are not splits."""
+    names = [n[:-len(".json")] for n in os.listdir(folder) if n.endswith(".json")]
+    return sorted(n for n in names if check_split(n) is None)
+
+
 @dataclass
 class ShardMeta:
     """``DIR/<split>.json``: what the shards of one split hold.
@@ -128,7 +136,9 @@ class ShardMeta:
     ``shards`` are file names in ``DIR`` (`shard_name`), ``samples_per_shard`` and
     ``shard_bytes`` in the same order; ``pattern`` is their brace pattern relative to
     ``DIR``; ``classes`` names the class-name file. ``seed`` is the shuffle seed (None when
-    the samples were not shuffled). Metadata written by other tools may hold only
+    the samples were not shuffled). ``source`` is the absolute path of the folder the
+    samples came from (a conversion from another folder does not replace the split unless
+    told to). Metadata written by other tools may hold only
     ``num_samples``; keys this class does not know are kept in ``extra``.
     """
 
@@ -143,6 +153,7 @@ class ShardMeta:
     shuffled: Optional[bool] = None
     seed: Optional[int] = None
     reencoded_to_png: Optional[int] = None
+    source: Optional[str] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -158,6 +169,7 @@ class ShardMeta:
             raise SchemaError(f"{where} lacks 'num_samples'; it has keys {sorted(data)}")
         for key in ("num_samples", "num_classes", "seed", "reencoded_to_png"):
             _check_type(where, key, data.get(key), (int,), "an integer")
+        _check_type(where, "source", data.get("source"), (str,), "a folder path")
         for key, kind in (("shards", str), ("samples_per_shard", int), ("shard_bytes", int)):
             value = data.get(key)
             if value is not None and not (isinstance(value, list) and all(isinstance(v, kind) for v in value)):

@@ -5,10 +5,14 @@ Two source layouts:
 
 * class folders (torchvision ``ImageFolder``): ``SRC/<class_name>/**/<image>``; class index =
   position of the folder name in the sorted list of folder names (torchvision's convention);
+  links are followed, but a link that would read a folder or file twice (a loop, a link into
+  another class folder) or leads nowhere is refused, so each file is read once, labelled by
+  the class folder it is listed in;
 * flat folder (the ImageNet val layout): ``SRC/<image>`` plus ``--labels FILE`` and
   ``--classes`` (train's ``classes.json``) so train and val share one index.
 
-Output, for ``--split train``::
+Without ``--split`` the split comes from the name of ``--src`` (``val``, ``validation`` ->
+val; ``test`` -> test; otherwise train). Output, for ``--split train``::
 
     DIR/train-000000.tar, DIR/train-000001.tar, ...   samples <key>.jpg|png + <key>.cls
     DIR/train.json      {"num_samples", "num_classes", "shards", "samples_per_shard", ...}
@@ -18,8 +22,13 @@ JPEG and PNG files are stored byte for byte (the extension follows the content, 
 becomes ``.jpg``); other formats are re-encoded to PNG (or rejected with
 ``--other-formats error``). The shard plan (which sample goes into which shard, in which
 order) is made in the parent process from the sorted file list and ``--seed``, so the shards
-are byte-identical whatever ``--workers`` is. Each shard is written under a hidden temporary
-name and renamed when complete.
+are byte-identical whatever ``--workers`` is. The conversion holds ``DIR/.lock`` (one
+conversion per folder), writes the shards into a hidden staging folder and moves them in
+only when all are written, metadata last: an interrupted or failed run leaves the previous
+split as it was. A split made from another source folder is replaced only with
+``--overwrite``. ``--verify`` checks each shard with the trainer's verifier
+(`train_imagenet.shard_check.scan_shard`), decoding every image, and each split against its
+metadata.
 
 Examples::
 
@@ -39,15 +48,21 @@ import multiprocessing as mp
 import os
 import random
 import re
+import shutil
+import signal
 import sys
+import threading
 import uuid
 from collections import Counter
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from dcvit.io import write_json
-from dcvit.schema import CLASSES_FILE, IMAGE_EXTENSIONS, LABEL_EXTENSION, ShardMeta, check_split, shard_name
+from dcvit.schema import CLASSES_FILE, IMAGE_EXTENSIONS, ShardMeta, check_split, shard_name, split_names
+from train_imagenet.run_lock import RunDirError, RunLock
+from train_imagenet.shard_check import scan_shard
 
 # Files with other suffixes are not images and are ignored (dcvit.schema: torchvision's list).
 IMG_EXTENSIONS = tuple("." + ext for ext in IMAGE_EXTENSIONS)
@@ -74,13 +89,70 @@ def _is_image(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS) and not name.startswith(".")
 
 
-def _images_below(folder: Path) -> list[Path]:
-    """Image files under ``folder`` (recursively, symlinks followed, hidden skipped), sorted."""
+def _images_below(folder: Path, seen: dict[str, str], linked: dict[str, str],
+                  problems: list[str]) -> list[tuple[Path, str]]:
+    """(path, real path) of the image files under ``folder``, sorted; hidden names skipped.
+
+    Links are followed, but nothing is read twice: ``seen`` maps each real folder read so
+    far (the source root and every class folder included) to the path that reached it
+    first, ``linked`` each real file reached through a link; a link to one of them (a loop
+    such as ``ln -s .. SRC/1/loop``, a link into another class folder, a second link to one
+    file) is added to ``problems``, as is a link to nothing and an image name that is no
+    regular file. (`_linked_twice` finds links to files that are also read where they lie.)
+    """
     found = []
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found.extend(Path(root) / f for f in files if _is_image(f))
+    stack = [(folder, os.path.realpath(folder))]
+    while stack:
+        here, real_here = stack.pop()
+        try:
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError as e:
+            problems.append(f"cannot list {here} ({e.strerror})")
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            path = here / entry.name
+            link = entry.is_symlink()
+            real = os.path.realpath(path) if link else os.path.join(real_here, entry.name)
+            if link and not os.path.exists(real):
+                problems.append(f"{path} -> {os.readlink(path)}: the link's target does not exist")
+            elif entry.is_dir():
+                if real in seen:
+                    problems.append(f"{path}{f' -> {real}' if link else ''}: already read as {seen[real]}")
+                else:
+                    seen[real] = str(path)
+                    stack.append((path, real))
+            elif not _is_image(entry.name):
+                continue
+            elif not entry.is_file():
+                problems.append(f"{path} is not a regular file")
+            elif link and real in linked:
+                problems.append(f"{path} -> {real}: already read as {linked[real]}")
+            else:
+                if link:
+                    linked[real] = str(path)
+                found.append((path, real))
     return sorted(found)
+
+
+def _linked_twice(seen: dict[str, str], linked: dict[str, str]) -> list[str]:
+    """Links to image files that are read where they lie as well (in a folder of ``seen``)."""
+    problems = []
+    for real, path in sorted(linked.items(), key=lambda kv: kv[1]):
+        folder, name = os.path.split(real)
+        if folder in seen and _is_image(name):
+            problems.append(f"{path} -> {real}: already read as {os.path.join(seen[folder], name)}")
+    return problems
+
+
+def _refuse_links(src: Path, problems: list[str]) -> None:
+    if problems:
+        more = f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else ""
+        raise ConversionError(
+            f"{len(problems)} path(s) in {src} cannot be read as exactly one image each:\n  "
+            + "\n  ".join(problems[:10]) + more + "\nremove or fix these links (a link is followed "
+            "only to a folder or file that nothing else under --src reaches), then re-run")
 
 
 def read_class_names(path: Path) -> list[str]:
@@ -114,8 +186,9 @@ def _check_source(src: Path) -> None:
         raise ConversionError(f"source folder {src} is empty")
 
 
-def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str], list[tuple[Path, int]]]:
-    """(class names, [(file, label)]) for ``SRC/<class>/**/<image>``."""
+def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str], list[tuple[Path, str, int]]]:
+    """(class names, [(file, real path, label)]) for ``SRC/<class>/**/<image>``: the label is
+    the class folder the file is listed in, and each real file is read once (`_images_below`)."""
     folders = sorted(p.name for p in src.iterdir() if p.is_dir() and not p.name.startswith("."))
     loose = [p.name for p in src.iterdir() if p.is_file() and _is_image(p.name)]
     if not folders:
@@ -132,12 +205,25 @@ def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str],
             raise ConversionError(f"class folder(s) {unknown[:5]} of {src} are not in --classes "
                                   f"({len(classes)} names); use the classes.json of the same dataset")
     index = {name: i for i, name in enumerate(classes)}
-    items: list[tuple[Path, int]] = []
+    root = os.path.realpath(src)
+    seen: dict[str, str] = {root: str(src)}
+    problems = [f"{p} -> {os.readlink(p)}: the link's target does not exist"
+                for p in sorted(src.iterdir())
+                if p.is_symlink() and not p.exists() and not p.name.startswith(".")]
+    for name in folders:  # every class folder is claimed before any is read
+        real = os.path.realpath(src / name)
+        if real in seen:
+            problems.append(f"{src / name} -> {real}: already read as {seen[real]}")
+        seen.setdefault(real, str(src / name))
+    items: list[tuple[Path, str, int]] = []
+    linked: dict[str, str] = {}
     for name in folders:
-        files = _images_below(src / name)
-        if not files:
+        files = _images_below(src / name, seen, linked, problems)
+        if not files and not problems:
             _warn(f"class folder {src / name} holds no images (extensions {', '.join(IMG_EXTENSIONS)})")
-        items.extend((f, index[name]) for f in files)
+        items.extend((path, real, index[name]) for path, real in files)
+    del seen[root]  # its loose images are not read
+    _refuse_links(src, problems + _linked_twice(seen, linked))
     if not items:
         raise ConversionError(f"no images found under {src} (looked for {', '.join(IMG_EXTENSIONS)})")
     return classes, items
@@ -228,12 +314,16 @@ def read_labels(path: Path, images: list[Path], classes: list[str], offset: int,
 
 
 def scan_flat(src: Path, labels_file: Path, classes: list[str], offset: int,
-              names: list[str] | None = None) -> list[tuple[Path, int]]:
+              names: list[str] | None = None) -> list[tuple[Path, str, int]]:
+    """[(file, real path, label)] for the images directly in ``src``, labelled by ``labels_file``."""
+    _refuse_links(src, [f"{p} -> {os.readlink(p)}: the link's target does not exist"
+                        for p in sorted(src.iterdir()) if p.is_symlink() and not p.exists()])
     images = sorted(p for p in src.iterdir() if p.is_file() and _is_image(p.name))
     if not images:
         raise ConversionError(f"no images found directly in {src} for the flat layout of --labels "
                               f"(looked for {', '.join(IMG_EXTENSIONS)})")
-    return list(zip(images, read_labels(labels_file, images, classes, offset, names)))
+    labels = read_labels(labels_file, images, classes, offset, names)
+    return [(p, os.path.realpath(p), label) for p, label in zip(images, labels)]
 
 
 def make_keys(relpaths: Sequence[str]) -> list[str]:
@@ -300,7 +390,11 @@ def _sniff(head: bytes) -> str | None:
 
 def encode_image(path: str, other_formats: str) -> tuple[str, bytes, bool]:
     """(extension, bytes, re-encoded?): JPEG/PNG bytes unchanged, other images as PNG."""
-    data = Path(path).read_bytes()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ConversionError(f"cannot read {path} ({e.strerror or e}); make it readable or move "
+                              f"it out of --src, then re-run") from None
     ext = _sniff(data[:8])
     if ext is not None:
         return ext, data, False
@@ -319,40 +413,38 @@ def encode_image(path: str, other_formats: str) -> tuple[str, bytes, bool]:
     return "png", buf.getvalue(), True
 
 
-def write_shard(task: tuple[str, str, int, list[Sample], str, str]) -> tuple[int, int, int, int]:
-    """Write one shard under a temporary name, then rename. Returns (index, samples, bytes, re-encoded).
+def write_shard(task: tuple[str, str, int, list[Sample], str]) -> tuple[int, int, int, int]:
+    """Write one shard into the run's staging folder. Returns (index, samples, bytes, re-encoded).
 
-    Not `dcvit.io.atomic_write`: the shard is fsynced before the rename, and its temporary
-    name ``.{shard}.tmp-{token}`` carries the run's token, so that `convert` can delete the
-    leftovers of a killed run (``.{split}-*.tar.tmp-*``) and of its own stopped workers.
+    The staging folder (``DIR/.{split}.tmp-{token}``) is private to the run, so a shard is
+    written under its final name there and fsynced; `convert` moves the finished shards into
+    ``DIR`` together, or removes the folder.
     """
     from webdataset import TarWriter
 
-    out, split, index, samples, other_formats, token = task
-    final = Path(out) / shard_name(split, index)
-    tmp = Path(out) / f".{final.name}.tmp-{token}"
+    stage, split, index, samples, other_formats = task
+    path = Path(stage) / shard_name(split, index)
     reencoded = 0
-    try:
-        with open(tmp, "wb") as f:
-            with TarWriter(f, encoder=False, mtime=SHARD_MTIME) as sink:
-                for s in samples:
-                    ext, data, converted = encode_image(s.path, other_formats)
-                    reencoded += converted
-                    sink.write({"__key__": s.key, ext: data, "cls": str(s.label).encode("ascii")})
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return index, len(samples), final.stat().st_size, reencoded
+    with open(path, "wb") as f:
+        with TarWriter(f, encoder=False, mtime=SHARD_MTIME) as sink:
+            for s in samples:
+                ext, data, converted = encode_image(s.path, other_formats)
+                reencoded += converted
+                sink.write({"__key__": s.key, ext: data, "cls": str(s.label).encode("ascii")})
+        f.flush()
+        os.fsync(f.fileno())
+    return index, len(samples), path.stat().st_size, reencoded
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the workers too: the parent acts
 
 
 def _pool(workers: int):
     import webdataset  # noqa: F401  (slow import, torch included: once here, inherited by forked workers)
 
     methods = mp.get_all_start_methods()
-    return mp.get_context("fork" if "fork" in methods else None).Pool(workers)
+    return mp.get_context("fork" if "fork" in methods else None).Pool(workers, initializer=_ignore_sigint)
 
 
 def _run_tasks(fn, tasks: list, workers: int) -> Iterable:
@@ -374,6 +466,107 @@ def _warn(msg: str) -> None:
     print(f"warning: {msg}", file=sys.stderr)
 
 
+# Folder names that say which split a source holds (a word of the name: ILSVRC2012_img_val).
+SPLIT_WORDS = {"train": "train", "training": "train", "val": "val", "valid": "val",
+               "validation": "val", "test": "test", "testing": "test"}
+
+
+def infer_split(src: Path) -> str | None:
+    """The split ``src``'s folder name says (``val``, ``ILSVRC2012_img_val`` -> val), or None."""
+    words = re.split(r"[^a-z0-9]+", src.resolve().name.lower())
+    found = {SPLIT_WORDS[w] for w in words if w in SPLIT_WORDS}
+    if len(found) > 1:
+        raise ConversionError(f"the name of --src {src} says {sorted(found)}; pass --split NAME")
+    return found.pop() if found else None
+
+
+def _lock(out: Path) -> RunLock:
+    """The output folder's lock (the trainer's `RunLock`): one conversion per folder at a time."""
+    if out.exists() and not out.is_dir():
+        raise ConversionError(f"--out {out} is a file; give a folder for the shards")
+    lock = RunLock(str(out))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return lock.acquire()
+    except RunDirError:
+        raise ConversionError(f"--out {out} is in use by another conversion ({lock._holder()}); "
+                              "wait for it to end, or write to another --out") from None
+    except OSError as e:
+        raise ConversionError(f"--out {out} cannot be written ({e.strerror or e}); "
+                              "give a writable folder") from None
+
+
+def _check_replace(out: Path, split: str, source: str, classes: list[str], overwrite: bool) -> None:
+    """Refuses to replace a split made from another source (unless ``overwrite``), or to
+    change the classes another split of ``out`` uses."""
+    meta_path = out / f"{split}.json"
+    if meta_path.exists() and not overwrite:
+        try:
+            old = json.loads(meta_path.read_text())
+            old_source, old_count = old.get("source"), old.get("num_samples")
+        except (OSError, ValueError, AttributeError):
+            old_source, old_count = None, "?"
+        if old_source != source:
+            made = f"from {old_source}" if old_source else "from a source it does not record"
+            raise ConversionError(
+                f"{out} already holds a {split} split ({old_count} samples) made {made}; --src "
+                f"{source} would replace it: pass --split NAME to write another split, another "
+                f"--out, or --overwrite to replace it")
+    orphans = sorted(p.name for p in out.glob(f"{split}-*.tar"))
+    if orphans and not meta_path.exists() and not overwrite:
+        raise ConversionError(
+            f"{out} holds {len(orphans)} {split} shard(s) ({orphans[0]}, ...) without {meta_path.name} "
+            "(written by another tool, or a conversion killed while moving its shards in); "
+            "pass --overwrite to replace them")
+    classes_path = out / CLASSES_FILE
+    others = [n for n in split_names(str(out)) if n != split]
+    if classes_path.exists() and others:
+        try:
+            old_classes = json.loads(classes_path.read_text())
+        except (OSError, ValueError):
+            old_classes = None
+        if old_classes != classes:
+            raise ConversionError(
+                f"{classes_path} lists other classes than {source} (used by split(s) {others}); "
+                f"pass --classes {classes_path} to reuse them, or write to another --out")
+
+
+@contextmanager
+def _signals_deferred():
+    """Ctrl-C and SIGTERM received inside the block take effect when it ends (in the main
+    thread, where Python runs signal handlers; elsewhere the block is unprotected)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {s: signal.signal(s, lambda num, frame: received.append(num))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if received:
+            signal.raise_signal(received[0])
+
+
+def _commit(out: Path, stage: Path, split: str, names: list[str], classes: list[str], meta: dict) -> None:
+    """Moves the staged shards in, removes the split's other shards, writes the metadata last.
+
+    Ctrl-C and SIGTERM wait until this is done (a few renames), so an interrupted run leaves
+    either the previous split or the new one, never a mix of both."""
+    with _signals_deferred():
+        (out / f"{split}.json").unlink(missing_ok=True)
+        for name in names:
+            os.replace(stage / name, out / name)
+        for old_shard in out.glob(f"{split}-*.tar"):
+            if old_shard.name not in names:
+                old_shard.unlink()  # from an earlier run with more shards
+        write_json(out / CLASSES_FILE, classes)
+        write_json(out / f"{split}.json", meta)
+        stage.rmdir()
+
+
 def convert(args: argparse.Namespace) -> dict:
     src, out, split = Path(args.src), Path(args.out), args.split
     _check_source(src)
@@ -391,57 +584,44 @@ def convert(args: argparse.Namespace) -> dict:
             raise ConversionError(f"--out {out} lies inside --src {src}, where it would be read as a class "
                                   "folder; write the shards outside the image tree")
         classes, items = scan_class_folders(src, classes)
-    keys = make_keys([p.relative_to(src).as_posix() for p, _ in items])
-    samples = [Sample(str(p.resolve()), k, label, p.stat().st_size) for (p, label), k in zip(items, keys)]
+    keys = make_keys([p.relative_to(src).as_posix() for p, _, _ in items])
+    samples = [Sample(real, k, label, os.stat(real).st_size) for (_, real, label), k in zip(items, keys)]
     shuffle = split == "train" if args.shuffle is None else args.shuffle
     if shuffle:
         random.Random(args.seed).shuffle(samples)
     plan = plan_shards(samples, args.shard_size, args.max_shard_bytes)
+    source = str(src.resolve())
 
-    out.mkdir(parents=True, exist_ok=True)
-    classes_path = out / CLASSES_FILE
-    if classes_path.exists():
-        try:
-            old = json.loads(classes_path.read_text())
-        except json.JSONDecodeError:
-            old = None
-        others = [p.stem for p in out.glob("*.json") if p.stem not in (split, "classes")]
-        if old != classes and others:
-            raise ConversionError(
-                f"{classes_path} lists other classes than {src} (used by split(s) {others}); "
-                f"pass --classes {classes_path} to reuse them, or write to another --out")
-    # Leftovers of an interrupted run and the old metadata go first: until the new metadata
-    # is written, the split reads as incomplete rather than as a mix of old and new shards.
-    for stale in out.glob(f".{split}-*.tar.tmp-*"):
-        stale.unlink()
-    (out / f"{split}.json").unlink(missing_ok=True)
-
-    token = uuid.uuid4().hex[:8]
-    tasks = [(str(out), split, i, group, args.other_formats, token) for i, group in enumerate(plan)]
-    counts, sizes, reencoded = [0] * len(plan), [0] * len(plan), 0
-    from tqdm import tqdm
+    lock = _lock(out)
     try:
-        with tqdm(total=len(samples), unit="img", desc=f"{split} -> {out}", disable=not args.progress,
-                  mininterval=1.0) as bar:
-            for index, n, nbytes, conv in _run_tasks(write_shard, tasks, args.workers):
-                counts[index], sizes[index], reencoded = n, nbytes, reencoded + conv
-                bar.update(n)
-    except BaseException:
-        for tmp in out.glob(f".{split}-*.tar.tmp-{token}"):  # workers stopped mid-shard
-            tmp.unlink(missing_ok=True)
-        raise
-    names = [shard_name(split, i) for i in range(len(plan))]
-    for old_shard in out.glob(f"{split}-*.tar"):
-        if old_shard.name not in names:
-            old_shard.unlink()  # from an earlier run with more shards
-    meta = ShardMeta(
-        num_samples=len(samples), num_classes=len(classes), shards=names,
-        samples_per_shard=counts, shard_bytes=sizes, split=split,
-        pattern=brace_pattern(Path("."), split, len(plan)), classes=CLASSES_FILE,
-        shuffled=shuffle, seed=args.seed if shuffle else None, reencoded_to_png=reencoded,
-    ).to_dict()
-    write_json(classes_path, classes)
-    write_json(out / f"{split}.json", meta)
+        _check_replace(out, split, source, classes, args.overwrite)
+        for stale in out.glob(f".{split}.tmp-*"):  # staging of a killed run (we hold the lock)
+            shutil.rmtree(stale, ignore_errors=True)
+        stage = out / f".{split}.tmp-{uuid.uuid4().hex[:8]}"
+        stage.mkdir()
+        tasks = [(str(stage), split, i, group, args.other_formats) for i, group in enumerate(plan)]
+        counts, sizes, reencoded = [0] * len(plan), [0] * len(plan), 0
+        from tqdm import tqdm
+        try:
+            with tqdm(total=len(samples), unit="img", desc=f"{split} -> {out}", disable=not args.progress,
+                      mininterval=1.0) as bar, closing(_run_tasks(write_shard, tasks, args.workers)) as done:
+                for index, n, nbytes, conv in done:
+                    counts[index], sizes[index], reencoded = n, nbytes, reencoded + conv
+                    bar.update(n)
+        except BaseException:  # an unreadable file, Ctrl-C: the split in --out stays as it was
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        names = [shard_name(split, i) for i in range(len(plan))]
+        meta = ShardMeta(
+            num_samples=len(samples), num_classes=len(classes), shards=names,
+            samples_per_shard=counts, shard_bytes=sizes, split=split,
+            pattern=brace_pattern(Path("."), split, len(plan)), classes=CLASSES_FILE,
+            shuffled=shuffle, seed=args.seed if shuffle else None, reencoded_to_png=reencoded,
+            source=source,
+        ).to_dict()
+        _commit(out, stage, split, names, classes, meta)
+    finally:
+        lock.release()
     seen = len({s.label for s in samples})
     print(f"{split}: {len(samples)} samples of {seen}/{len(classes)} classes in {len(plan)} shards "
           f"({sum(sizes) / 2**20:.1f} MiB); {reencoded} re-encoded to PNG")
@@ -450,53 +630,21 @@ def convert(args: argparse.Namespace) -> dict:
 
 
 # ----------------------------------------------------------------------------- verification
-def verify_shard(task: tuple[str, int]) -> dict:
-    """Read one shard with webdataset: count samples and labels, decode every image."""
-    import webdataset as wds
-    from PIL import Image
-
-    path, num_classes = task
-    name = Path(path).name
-    result = {"shard": name, "count": 0, "labels": Counter(), "keys": [], "problems": []}
-    problems = result["problems"]
-    last = None
-    try:
-        for sample in wds.WebDataset(path, shardshuffle=False, empty_check=False):
-            key = last = sample["__key__"]
-            result["count"] += 1
-            result["keys"].append(key)
-            exts = sorted(k for k in sample if not k.startswith("__"))
-            images = [e for e in exts if e in IMAGE_EXTENSIONS]
-            if len(images) != 1 or LABEL_EXTENSION not in exts or len(exts) != 2:
-                problems.append(f"{name}: key '{key}' holds {exts}; expected one image "
-                                f"({'/'.join(IMAGE_EXTENSIONS)}) and {LABEL_EXTENSION}")
-                continue
-            try:
-                label = int(sample["cls"].decode("ascii"))
-            except (UnicodeDecodeError, ValueError):
-                problems.append(f"{name}: key '{key}': cls {sample['cls'][:20]!r} is not an integer")
-                continue
-            if not 0 <= label < num_classes:
-                problems.append(f"{name}: key '{key}': label {label} out of range [0, {num_classes})")
-            result["labels"][label] += 1
-            try:
-                with Image.open(io.BytesIO(sample[images[0]])) as im:
-                    im.load()
-            except Exception as e:
-                problems.append(f"{name}: key '{key}': {images[0]} does not decode ({type(e).__name__}: {e})")
-    except Exception as e:
-        where = f"after key '{last}'" if last else "at the start"
-        problems.append(f"{name}: unreadable {where} ({type(e).__name__}: {e})")
-    return result
+def _scan(path: str) -> tuple[str, dict]:
+    """(shard name, `scan_shard` with every image decoded): one task of `verify`."""
+    return Path(path).name, scan_shard(path, decode=True)
 
 
 def verify(out: Path, splits: Sequence[str] | None, workers: int, progress: bool = True) -> list[str]:
     """Problems found in the shards of ``out`` (every split with metadata unless ``splits``),
-    printed; a missing folder is a ConversionError (bad input, exit status 2)."""
+    printed; a missing folder is a ConversionError (bad input, exit status 2).
+
+    Each shard is checked by the trainer's verifier (`train_imagenet.shard_check.scan_shard`,
+    here also decoding every image); the split as a whole against its ``<split>.json``."""
     if not out.is_dir():
         raise ConversionError(f"--verify {out}: no such folder; give the --out folder of the shards")
     if splits is None:
-        splits = sorted(p.stem for p in out.glob("*.json") if p.stem != "classes")
+        splits = split_names(str(out))
         if not splits:  # empty, or a conversion stopped before writing its metadata
             problem = (f"no split metadata (<split>.json) in {out}: write shards with --src/--out "
                        f"first (an interrupted conversion leaves none: re-run it)")
@@ -533,22 +681,24 @@ def verify(out: Path, splits: Sequence[str] | None, workers: int, progress: bool
             split_problems.append(f"{split}: shard(s) {extra[:5]} are not listed in {meta_path.name}")
         expected = dict(zip(shards, per_shard))
         labels, keys, total = Counter(), Counter(), 0
-        tasks = [(str(out / s), num_classes) for s in present]
-        with tqdm(total=len(tasks), unit="shard", desc=f"verify {split}", disable=not progress) as bar:
-            for r in _run_tasks(verify_shard, tasks, workers):
+        with tqdm(total=len(present), unit="shard", desc=f"verify {split}", disable=not progress) as bar, \
+                closing(_run_tasks(_scan, [str(out / s) for s in present], workers)) as done:
+            for name, r in done:
                 bar.update(1)
-                total += r["count"]
+                total += r["samples"]
                 labels.update(r["labels"])
-                keys.update(r["keys"])
-                split_problems += r["problems"]
-                if r["count"] != expected.get(r["shard"]):
-                    split_problems.append(f"{split}: shard {r['shard']} holds {r['count']} samples, "
-                                          f"metadata says {expected.get(r['shard'])}")
+                keys.update(set(r["keys"]))  # a key repeated within a shard is one of its problems
+                split_problems += [f"{name}: {p}" for p in r["problems"]]
+                split_problems += [f"{name}: label {label} out of range [0, {num_classes})"
+                                   for label in sorted(r["labels"]) if not 0 <= label < num_classes]
+                if r["samples"] != expected.get(name):
+                    split_problems.append(f"{split}: shard {name} holds {r['samples']} samples, "
+                                          f"metadata says {expected.get(name)}")
         if total != num_samples:
             split_problems.append(f"{split}: read {total} samples, metadata says num_samples={num_samples}")
         dupes = [k for k, c in keys.items() if c > 1]
         if dupes:
-            split_problems.append(f"{split}: {len(dupes)} key(s) repeat, e.g. {dupes[:3]}")
+            split_problems.append(f"{split}: {len(dupes)} key(s) occur in more than one shard, e.g. {dupes[:3]}")
         status = "OK" if not split_problems else f"{len(split_problems)} problem(s)"
         print(f"verify {split}: {len(present)}/{len(shards)} shards, {total} samples, "
               f"{len(labels)}/{num_classes} classes present: {status}")
@@ -572,7 +722,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="See docs/data.md for the ImageNet recipe.")
     p.add_argument("--src", help="ImageFolder root (SRC/<class>/<image>) or flat folder with --labels")
     p.add_argument("--out", help="output folder for <split>-NNNNNN.tar, <split>.json, classes.json")
-    p.add_argument("--split", default=None, help="shard name prefix (default: train)")
+    p.add_argument("--split", default=None,
+                   help="shard name prefix (default: from --src's folder name, val for "
+                        "'val'/'validation', test for 'test', else train)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a split of --out made from another source")
     p.add_argument("--shard-size", type=_positive, default=1000, help="max samples per shard (default 1000)")
     p.add_argument("--max-shard-bytes", type=_positive, default=None,
                    help="also close a shard before it exceeds this many bytes, e.g. 1e9")
@@ -598,7 +752,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Exit status: 0 success, 1 verification found problems, 2 bad input or options."""
+    """Exit status: 0 success, 1 verification found problems, 2 bad input or options,
+    130 interrupted (Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     # No '-': readers find DIR/<split>.json from the text before the first '-' of a shard name.
@@ -615,7 +770,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(args.verify, str) and Path(args.verify).resolve() != Path(args.out).resolve():
             parser.error(f"--verify {args.verify} differs from --out {args.out}; "
                          "use --verify alone to check what was just written")
-        args.split = args.split or "train"
+        if args.split is None:
+            inferred = infer_split(Path(args.src))
+            args.split = inferred or "train"
+            print(f"--split {args.split} ({'from the name of --src' if inferred else 'the default'}; "
+                  "pass --split to choose)", file=sys.stderr)
         convert(args)
         if args.verify:
             return 1 if verify(Path(args.out), [args.split], args.workers, args.progress) else 0
@@ -623,6 +782,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("error: interrupted; the shards being written were removed and every split of the "
+              "folder is as it was or complete (<split>.json is written last): re-run the command",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

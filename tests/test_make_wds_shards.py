@@ -261,15 +261,18 @@ def test_verify_detects_truncated_shard_and_count_mismatch(shards, tmp_path, cap
     assert "train-000003.tar listed in train.json is missing" in capsys.readouterr().err
 
 
-def test_rerun_overwrites_and_interrupted_run_leaves_no_partial_shard(folder, tmp_path, monkeypatch):
+def test_rerun_overwrites_and_interrupted_run_leaves_the_split_as_it_was(folder, tmp_path, monkeypatch):
     src, _ = folder
     out = tmp_path / "out"
     assert _run("--src", src, "--out", out, "--shard-size", 3) == 0
-    (out / ".train-000000.tar.tmp-deadbeef").write_bytes(b"left by a killed run")
+    (out / ".train.tmp-deadbeef").mkdir()
+    (out / ".train.tmp-deadbeef" / "train-000000.tar").write_bytes(b"left by a killed run")
     assert _run("--src", src, "--out", out, "--shard-size", 10) == 0
     meta = json.loads((out / "train.json").read_text())
-    assert sorted(p.name for p in out.iterdir()) == sorted(meta["shards"] + ["classes.json", "train.json"])
+    visible = sorted(p.name for p in out.iterdir() if p.name != ".lock")  # the lock file stays
+    assert visible == sorted(meta["shards"] + ["classes.json", "train.json"])
     assert _run("--verify", out) == 0
+    before = _digests(out), (out / "train.json").read_bytes()
 
     calls = {"n": 0}
     real = mws.encode_image
@@ -281,13 +284,11 @@ def test_rerun_overwrites_and_interrupted_run_leaves_no_partial_shard(folder, tm
         return real(path, other_formats)
 
     monkeypatch.setattr(mws, "encode_image", failing)
-    with pytest.raises(KeyboardInterrupt):
-        _run("--src", src, "--out", out, "--shard-size", 10, "--seed", 3, "--workers", 1)
-    names = sorted(p.name for p in out.iterdir())
-    assert not any(".tmp" in n for n in names) and "train.json" not in names
-    # The complete first shard is the new one, the second still the old one: only the missing
-    # metadata stands between them and a reader, and verify says so.
-    assert _run("--verify", out) == 1
+    assert _run("--src", src, "--out", out, "--shard-size", 10, "--seed", 3, "--workers", 1) == 130
+    names = sorted(p.name for p in out.iterdir() if p.name != ".lock")
+    assert not any(".tmp" in n for n in names)
+    assert (_digests(out), (out / "train.json").read_bytes()) == before  # the old split, whole
+    assert _run("--verify", out) == 0
 
 
 def test_other_formats_error_names_file(folder, tmp_path, capsys):

@@ -1,16 +1,24 @@
-"""The start-up check of local WebDataset shards: each tar reads to its end and every label
-is an integer in ``[0, num_classes)``.
+"""The one shard verifier: the rules every reader of a WebDataset shard relies on, checked
+by the trainer at start-up (`check_shards`) and by ``scripts/make_wds_shards.py --verify``
+(`scan_shard` with ``decode=True``, plus the split's metadata).
 
-Only tar headers and the small ``.cls`` members are read (no image is decoded), so a shard
-costs a few hundred small reads. The result of each shard is cached beside the shards in
-``.dcvit-shard-check.json``, keyed by the shard's name, size and modification time, so a
-restarted run checks only what changed; where the shard folder is read-only the cache goes
-to the run directory instead (``shard-check.json``).
+A shard passes when its tar reads to its end-of-archive marker, each key occurs once (its
+members consecutive, no extension twice: webdataset groups a sample by consecutive members
+and stops on a repeated one), each sample holds exactly one image and one ``.cls`` member,
+and every ``.cls`` is an integer; label ranges are checked against the class count by the
+callers. The start-up check reads only tar headers and the small ``.cls`` members (no image
+is decoded), so a shard costs a few hundred small reads. Its result per shard is cached
+beside the shards in ``.dcvit-shard-check.json`` (hidden, so never taken for a split's
+``<split>.json``: `dcvit.schema.split_names`), keyed by the shard's name, size and
+modification time, so a restarted run checks only what changed; where the shard folder is
+read-only the cache goes to the run directory instead (``shard-check.json``).
 """
+import io
 import json
 import logging
 import os
 import tarfile
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -24,7 +32,7 @@ __all__ = ["ShardCheck", "check_shards", "scan_shard", "CACHE_NAME"]
 
 CACHE_NAME = ".dcvit-shard-check.json"
 FALLBACK_NAME = "shard-check.json"
-_VERSION = 1
+_VERSION = 2                         # 2: repeated keys and incomplete samples are problems
 _logger = logging.getLogger(__name__)
 
 
@@ -38,12 +46,43 @@ class ShardCheck:
     problem: Optional[str] = None
 
 
-def scan_shard(path: str) -> Dict[str, Any]:
-    """{'samples', 'min_label', 'max_label', 'error'} of one tar; `error` names the first
-    problem (unreadable tar, a label that is no integer) or is None."""
-    out: Dict[str, Any] = {"samples": 0, "min_label": None, "max_label": None, "error": None}
-    images, labels = set(), {}
-    last = None
+def _decodes(data: bytes) -> Optional[str]:
+    from PIL import Image
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+    except Exception as e:  # PIL raises many types for broken files
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def scan_shard(path: str, decode: bool = False) -> Dict[str, Any]:
+    """What one tar holds: {'samples': complete samples, 'labels': {label: count}, 'keys':
+    [key, ...], 'problems': [message, ...]}. The messages name the key (not the shard); the
+    first problem of a shard that does not read to its end says where it stops. With
+    `decode`, every image is also decoded with PIL."""
+    labels: Counter = Counter()
+    keys: List[str] = []
+    problems: List[str] = []
+    members: Dict[str, Dict[str, Any]] = {}             # key -> {ext: label bytes or None}
+    repeated = set()
+
+    def close(key: Optional[str]) -> None:               # a sample's members all seen
+        if key is None or key in repeated:
+            return
+        exts = sorted(members[key])
+        images = [e for e in exts if e in IMAGE_EXTENSIONS]
+        if len(images) != 1 or LABEL_EXTENSION not in exts:
+            problems.append(f"key {key!r} holds {exts}; expected one image "
+                            f"({'/'.join(IMAGE_EXTENSIONS)}) and {LABEL_EXTENSION}")
+            return
+        text = members[key][LABEL_EXTENSION]
+        try:
+            labels[int(text.decode("ascii").strip())] += 1
+        except (UnicodeDecodeError, ValueError):
+            problems.append(f"sample {key!r} has the label {text[:20]!r}, not an integer")
+
+    current = None
     try:
         size = os.path.getsize(path)
         with tarfile.open(path) as tar:
@@ -58,11 +97,28 @@ def scan_shard(path: str) -> Dict[str, Any]:
                 if key is None:
                     continue
                 ext = ext.lower()
-                last = key
+                if key != current:
+                    close(current)
+                    current = key
+                    if key in members and key not in repeated:
+                        repeated.add(key)
+                        problems.append(f"key {key!r} occurs twice (again at member "
+                                        f"{member.name!r}); each sample needs its own key")
+                    members.setdefault(key, {})
+                    keys.append(key)
+                elif ext in members[key] and key not in repeated:
+                    repeated.add(key)
+                    problems.append(f"key {key!r} occurs twice (member {member.name!r} "
+                                    f"repeats); each sample needs its own key")
                 if ext == LABEL_EXTENSION:
-                    labels[key] = tar.extractfile(member).read()
-                elif ext in IMAGE_EXTENSIONS:
-                    images.add(key)
+                    members[key][ext] = tar.extractfile(member).read()
+                else:
+                    members[key][ext] = None
+                    if decode and ext in IMAGE_EXTENSIONS and key not in repeated:
+                        failure = _decodes(tar.extractfile(member).read())
+                        if failure:
+                            problems.append(f"key {key!r}: {ext} does not decode ({failure})")
+            close(current)
             end = tar.offset                             # where the end-of-archive marker starts
         with open(path, "rb") as f:                      # a cut at a member boundary reads as a
             f.seek(end)                                  # shorter tar: require the marker
@@ -70,21 +126,18 @@ def scan_shard(path: str) -> Dict[str, Any]:
                 raise tarfile.ReadError(f"no end-of-archive marker after byte {end} of "
                                         f"{size}: the file is truncated")
     except (tarfile.TarError, OSError, EOFError) as e:
-        where = f"after key {last!r}" if last else "at its start"
-        out["error"] = f"unreadable {where} ({type(e).__name__}: {e})"
-        return out
-    values = []
-    for key in sorted(images & set(labels)):
-        text = labels[key]
-        try:
-            values.append(int(text.decode("ascii").strip()))
-        except (UnicodeDecodeError, ValueError):
-            out["error"] = f"sample {key!r} has the label {text[:20]!r}, not an integer"
-            return out
-    out["samples"] = len(values)
-    if values:
-        out["min_label"], out["max_label"] = min(values), max(values)
-    return out
+        where = f"after key {keys[-1]!r}" if keys else "at its start"
+        problems.insert(0, f"unreadable {where} ({type(e).__name__}: {e})")
+    return {"samples": sum(labels.values()), "labels": dict(labels), "keys": keys,
+            "problems": problems}
+
+
+def _summary(scan: Dict[str, Any]) -> Dict[str, Any]:
+    """The cached part of a scan: sample count, label range and the first problem."""
+    values = list(scan["labels"])
+    return {"samples": scan["samples"], "min_label": min(values) if values else None,
+            "max_label": max(values) if values else None,
+            "error": scan["problems"][0] if scan["problems"] else None}
 
 
 def _stat_key(path: str) -> List[int]:
@@ -142,8 +195,8 @@ def check_shards(shards: List[str], key: str, num_classes: int,
                 todo.append(shard)
         if not todo:
             continue
-        for shard, found in zip(todo, _scan_all(todo)):
-            found["stat"] = _stat_key(shard)
+        for shard, scan in zip(todo, _scan_all(todo)):
+            found = {**_summary(scan), "stat": _stat_key(shard)}
             results[shard] = inside[os.path.basename(shard)] = found
         if not (os.access(folder, os.W_OK) and _write_cache(local, inside)) and fallback:
             outside.update({os.path.abspath(s): results[s] for s in todo})
