@@ -69,7 +69,8 @@ def test_folder_to_json_with_names_and_the_runs_preprocessing(run, tmp_path, cap
     out = tmp_path / "preds.json"
     assert main([str(root / "run"), folder, "--out", str(out), "--top-k", "3"]) == 0   # the run directory
     res = json.loads(out.read_text())
-    assert res["checkpoint"] == ckpt and res["top_k"] == 3 and res["skipped"] == [] and res["classes"]
+    assert res["checkpoint"] == ckpt and res["top_k"] == 3 and res["skipped"] == []
+    assert res["classes"] == str(root / "data" / "classes.json")      # the run's training shards
     files = sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*.png"))
     assert [r["image"] for r in res["predictions"]] == files            # class_DD/IIIII.png, path order
     probs = _reference(ckpt, x)

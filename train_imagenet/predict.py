@@ -30,8 +30,9 @@ status 2 and a message naming the fix; nothing is written then.
 
 CSV: one row per image, ``image`` (its path relative to the folder, or ``SHARD/KEY``),
 ``label`` (shards only), then ``class_i``, ``name_i``, ``prob_i`` for i = 1..k. JSON:
-``{"checkpoint", "classes", "top_k", "skipped", "predictions": [{"image", "label"?, "top":
-[{"class", "name", "prob"}, ...]}, ...]}``. Probabilities are the softmax of the logits.
+``{"checkpoint", "classes" (the file the names came from, or null), "top_k", "skipped",
+"predictions": [{"image", "label"?, "top": [{"class", "name", "prob"}, ...]}, ...]}``.
+Probabilities are the softmax of the logits. ``--device auto`` runs on CUDA when available.
 """
 import argparse
 import csv
@@ -68,6 +69,7 @@ class Predictor:
     model: torch.nn.Module
     transform: Callable[[Image.Image], torch.Tensor]
     classes: Optional[List[str]]
+    classes_from: Optional[str]     # where the names were read
     source: str                     # the checkpoint file or folder read
 
 
@@ -90,9 +92,10 @@ def _config_of(state: Dict[str, Any], path: str):
         raise PredictError(f"the config saved in {path!r} does not load: {e}") from e
 
 
-def _training_classes(cfg) -> Optional[List[str]]:
-    """The class names of the data a run was trained on: ``classes.json`` beside its shards,
-    or the class sub-folders of its ImageFolder (torchvision's order)."""
+def _training_classes(cfg) -> Tuple[Optional[List[str]], Optional[str]]:
+    """The class names of the data a run was trained on and where they were read:
+    ``classes.json`` beside its shards, or the class sub-folders of its ImageFolder
+    (torchvision's order)."""
     for key in ("train", "val"):
         spec = getattr(cfg.data, key)
         try:
@@ -101,16 +104,16 @@ def _training_classes(cfg) -> Optional[List[str]]:
             continue                  # the data is not on this machine
         if source.kind == "folder":
             from torchvision.datasets.folder import find_classes
-            return find_classes(source.root)[0]
-        names = _classes_beside(source.shards)
+            return find_classes(source.root)[0], f"the class folders of {source.root}"
+        names, path = _classes_beside(source.shards)
         if names is not None:
-            return names
-    return None
+            return names, path
+    return None, None
 
 
-def _classes_beside(shards: Sequence[str]) -> Optional[List[str]]:
+def _classes_beside(shards: Sequence[str]) -> Tuple[Optional[List[str]], Optional[str]]:
     path = os.path.join(os.path.dirname(shards[0]), CLASSES_FILE) if shards else ""
-    return _read_classes(path) if os.path.isfile(path) else None
+    return (_read_classes(path), path) if os.path.isfile(path) else (None, None)
 
 
 def _read_classes(path: str) -> List[str]:
@@ -137,7 +140,7 @@ def _from_training_checkpoint(path: str, state: Dict[str, Any], ema: bool) -> Pr
     except (ConfigError, CheckpointError) as e:
         raise PredictError(str(e)) from e
     transform = build_transform(cfg, training=False, norm=input_norm(cfg, model))
-    return Predictor(model.eval(), transform, _training_classes(cfg), path)
+    return Predictor(model.eval(), transform, *_training_classes(cfg), path)
 
 
 def _from_hub_folder(folder: str) -> Predictor:
@@ -150,7 +153,8 @@ def _from_hub_folder(folder: str) -> Predictor:
                            f"{e}); write it with dcvit.save_pretrained") from e
     names = model.pretrained_cfg.get("label_names")
     transform = create_transform(**resolve_model_data_config(model))
-    return Predictor(model.eval(), transform, list(names) if names else None, folder)
+    return Predictor(model.eval(), transform, list(names) if names else None,
+                     os.path.join(folder, "config.json") if names else None, folder)
 
 
 def load_predictor(checkpoint: str, ema: bool = False) -> Predictor:
@@ -184,15 +188,16 @@ def load_predictor(checkpoint: str, ema: bool = False) -> Predictor:
 Item = Tuple[str, Optional[int], Callable[[], Image.Image]]   # (name, label, open)
 
 
-def list_images(spec: str) -> Tuple[List[Item], Optional[List[str]]]:
+def list_images(spec: str) -> Tuple[List[Item], Tuple[Optional[List[str]], Optional[str]]]:
     """The images of a folder or a shard set, in order, each with its name, label (shards) and
-    a function that decodes it; and the shard set's class names when a classes.json is beside it."""
+    a function that decodes it; and the shard set's class names and their file when a
+    classes.json is beside it."""
     if os.path.isdir(spec) and not any(n.endswith(".tar") for n in os.listdir(spec)):
         root = Path(spec)
         files = sorted(p for p in root.rglob("*")
                        if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
         items = [(str(p.relative_to(root)), None, lambda p=p: _open(p)) for p in files]
-        return items, None
+        return items, (None, None)
     try:
         source = resolve_source(spec, "images")
     except DataError as e:
@@ -227,7 +232,7 @@ def _no_image() -> Image.Image:
 
 # ------------------------------------------------------------------------------- prediction
 def predict(predictor: Predictor, items: Sequence[Item], top_k: int = 5, batch_size: int = 32,
-            on_corrupt: str = "skip", progress: Optional[bool] = None
+            on_corrupt: str = "skip", progress: Optional[bool] = None, device: str = "cpu"
             ) -> Tuple[List[Dict[str, Any]], List[Dict[str, str]]]:
     """(predictions, skipped): for each readable image its top-k classes, names and
     probabilities; each unreadable one with the reason (``on_corrupt='fail'`` raises instead)."""
@@ -238,7 +243,8 @@ def predict(predictor: Predictor, items: Sequence[Item], top_k: int = 5, batch_s
 
     def flush() -> None:
         with torch.inference_mode():
-            probs = predictor.model(torch.stack([x for _, _, x in batch])).float().softmax(-1)
+            x = torch.stack([x for _, _, x in batch]).to(device)
+            probs = predictor.model(x).float().softmax(-1).cpu()
         top_p, top_i = probs.topk(k, dim=-1)
         for (name, label, _), ps, cs in zip(batch, top_p.tolist(), top_i.tolist()):
             row = {"image": name, **({"label": label} if label is not None else {}),
@@ -297,6 +303,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--on-corrupt", choices=("skip", "fail"), default="skip",
                    help="an image that cannot be decoded: skip and count it (default), or stop")
+    p.add_argument("--device", default="auto", help="'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:1', ...")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     return p
 
@@ -321,27 +328,29 @@ def _run(args: argparse.Namespace) -> int:
         raise PredictError(problem.replace("--out", "the folder of --out"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    items, input_classes = list_images(args.images)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise PredictError(f"--device {args.device}: {e}; use --device cpu") from e
+    items, (input_classes, input_classes_from) = list_images(args.images)
     if not items:
         raise PredictError(f"no images in {args.images!r} (image files: "
                            f"{', '.join(IMAGE_EXTENSIONS)}; or .tar shards)")
     predictor = load_predictor(args.checkpoint, ema=args.ema)
     n = predictor.model.num_classes
     if args.classes:
-        predictor.classes = _read_classes(args.classes)
-        where = args.classes
+        predictor.classes, predictor.classes_from = _read_classes(args.classes), args.classes
     elif predictor.classes is None and input_classes is not None and len(input_classes) == n:
-        predictor.classes = input_classes
-        where = f"{CLASSES_FILE} of the images' shards"
-    else:
-        where = "the checkpoint's data"
+        predictor.classes, predictor.classes_from = input_classes, input_classes_from
     if predictor.classes is not None and len(predictor.classes) != n:
-        raise PredictError(f"{len(predictor.classes)} class names ({where}) for a model with {n} "
-                           f"classes; pass --classes with the names of the classes it was trained on")
+        raise PredictError(f"{len(predictor.classes)} class names ({predictor.classes_from}) for a model "
+                           f"with {n} classes; pass --classes with the names of the classes it was trained on")
     if predictor.classes is None:
         print(f"note: no class names found; the output has class indices only (pass --classes "
               f"{CLASSES_FILE})", file=sys.stderr)
-    rows, skipped = predict(predictor, items, args.top_k, args.batch_size, args.on_corrupt)
+    predictor.model.to(device)
+    rows, skipped = predict(predictor, items, args.top_k, args.batch_size, args.on_corrupt, device=device)
     for s in skipped:
         print(f"skipped {s['image']}: {s['error']}", file=sys.stderr)
     if not rows:
@@ -350,7 +359,7 @@ def _run(args: argparse.Namespace) -> int:
     if fmt == ".csv":
         write_text(args.out, _csv(rows, k))
     else:
-        write_json(args.out, {"checkpoint": predictor.source, "classes": predictor.classes is not None,
+        write_json(args.out, {"checkpoint": predictor.source, "classes": predictor.classes_from,
                               "top_k": k, "skipped": skipped, "predictions": rows})
     print(f"{len(rows)} images classified, {len(skipped)} skipped (cannot be decoded) -> {args.out}",
           file=sys.stderr)
