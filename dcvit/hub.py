@@ -137,18 +137,17 @@ def save_pretrained(model: nn.Module, directory: Union[str, Path], *,
     ``data_config``: the preprocessing to record, as timm's ``save_for_hf`` takes it
     (default: the model's own input size, mean, std, crop and interpolation).
     """
-    from timm.models._hub import save_config_for_hf  # timm.models exports save_for_hf only
+    from timm.models import save_for_hf
 
+    args = model_args(model)   # checks that this is a DCViT
     if label_names is not None and len(label_names) != model.num_classes:
         raise ValueError(f"label_names has {len(label_names)} names for a model with "
                          f"{model.num_classes} classes")
-    args = model_args(model)   # checks that this is a DCViT
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    _save_aligned_safetensors(model.state_dict(), directory / "model.safetensors")
+    save_for_hf(model, directory, model_args=args, data_config=data_config, safe_serialization=True,
+                model_config={"label_names": list(label_names)} if label_names is not None else None)
+    _save_aligned_safetensors(model.state_dict(), directory / "model.safetensors")   # replaces timm's
     config_path = directory / "config.json"
-    save_config_for_hf(model, config_path, model_args=args, data_config=data_config,
-                       model_config={"label_names": list(label_names)} if label_names is not None else None)
     # timm writes num_classes into model_args too; transformers' TimmWrapper passes its own
     # (the root num_classes, which timm's local-dir loading reads as well) and would fail with
     # "got multiple values for keyword argument 'num_classes'".
