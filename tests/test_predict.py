@@ -164,3 +164,23 @@ def test_module_runs_as_a_command(run, tmp_path):
                            "--top-k", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert out.read_text().splitlines()[0] == "image,class_1,name_1,prob_1"
+
+
+def test_class_names_from_classes_option_then_the_images_shards_else_indices(run, tmp_path, capsys):
+    root, _, folder, _, _ = run
+    torch.manual_seed(0)
+    hub = dcvit.save_pretrained(timm.create_model("dcvit_tiny", num_classes=10, **KWARGS), tmp_path / "hub")
+    shards = str(root / "data" / "val-000000.tar")                # beside ../classes.json
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps([n.upper() for n in NAMES]))
+    cases = [([str(hub), shards, "--classes", str(other)], str(other), [n.upper() for n in NAMES]),
+             ([str(hub), shards], str(root / "data" / "classes.json"), NAMES),
+             ([str(hub), folder], None, None)]
+    for argv, source, names in cases:
+        out = tmp_path / "p.json"
+        assert main([*argv, "--out", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["classes"] == source
+        for row in res["predictions"]:
+            assert [t["name"] for t in row["top"]] == [names[t["class"]] if names else None for t in row["top"]]
+    assert "no class names found" in capsys.readouterr().err
