@@ -28,13 +28,13 @@ _LAZY = {
     "attention_maps": "maps",
     "convert": "conversion",
     "save_weights": "weights", "load_weights": "weights", "read_state_dict": "weights",
-    "model_args": "hub",
+    "model_args": "hub", "save_pretrained": "hub",
 }
 
 __all__ = [
     "compose", "convert", "DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer",
     "DCVIT_MODELS", "checkpoint_filter_fn", "BigVisionViT", "BV_DCMHA_OPTIONS", "attention_maps",
-    "save_weights", "load_weights", "read_state_dict", "model_args",
+    "save_weights", "load_weights", "read_state_dict", "model_args", "save_pretrained",
 ]
 
 

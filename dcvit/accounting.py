@@ -27,14 +27,21 @@ import copy
 import dataclasses
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from fvcore.nn import FlopCountAnalysis, parameter_count
-from fvcore.nn.jit_handles import get_shape
 from torch import nn
+
+# fvcore.nn scripts its focal losses with torch.jit.script at import time, which torch
+# deprecates with a FutureWarning; it says nothing about this module, so only that warning,
+# only during this import, is ignored (the caller's filters are restored as they were).
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is", category=FutureWarning)
+    from fvcore.nn import FlopCountAnalysis, parameter_count
+    from fvcore.nn.jit_handles import get_shape
 
 from .attention import DCMHA, DCMHA_PARTS, hidden_width
 from .fused import attention_impl, attention_macs

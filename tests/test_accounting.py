@@ -232,3 +232,33 @@ def test_flop_counter_counts_the_fused_core_as_the_accounting(options):
             model(x)
         assert torch.ops.dcvit.composed_attention not in reference.get_flop_counts()["Global"]
         assert reference.get_total_flops() == forward.get_total_flops()
+
+
+def test_fvcore_import_warning_is_silenced_and_the_callers_filters_are_kept():
+    """fvcore's import-time `torch.jit.script` FutureWarning is ignored only around that import:
+    ``dcvit-report --help`` prints none, and the caller's own filters come back unchanged."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "PYTHONWARNINGS": "default"}
+    code = ("import sys, warnings\n"
+            "import timm, torch  # they add filters of their own on import\n"
+            "warnings.simplefilter('error', UserWarning)\n"
+            "before = list(warnings.filters)\n"
+            "import dcvit.report\n"
+            "assert list(warnings.filters) == before, 'filters changed'\n"
+            "sys.argv = ['dcvit-report', '--help']\n"
+            "dcvit.report.main()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "usage: dcvit-report" in run.stdout
+    assert "FutureWarning" not in run.stderr and "FutureWarning" not in run.stdout, run.stderr
+    # Only that message is ignored: the same category with another message still shows.
+    shown = subprocess.run([sys.executable, "-c", "import dcvit.accounting, warnings\n"
+                            "warnings.warn('a user warning', FutureWarning)"],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert "FutureWarning: a user warning" in shown.stderr, shown.stderr

@@ -84,3 +84,42 @@ def test_push_to_hf_hub_and_hf_hub_round_trip(tmp_path, monkeypatch):
     snapshot = next((hub.cache / "models--someone--dcvit-tiny-test" / "snapshots").iterdir())
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in snapshot.iterdir()}
     _assert_same_model(timm.create_model("hf-hub:someone/dcvit-tiny-test", pretrained=True), model)
+
+
+def test_save_pretrained_writes_what_timm_and_transformers_load(tmp_path):
+    model = _model()
+    names = ["a", "b", "c", "d", "e"]
+    folder = dcvit.save_pretrained(model, tmp_path / "out", label_names=names)
+    config = json.loads((folder / "config.json").read_text())
+    assert "num_classes" not in config["model_args"] and config["num_classes"] == 5   # transformers passes its own
+    assert config["model_args"]["dcmha_layers"] == [0, 2] and config["label_names"] == names
+    assert config["pretrained_cfg"]["input_size"] == [3, 32, 32]                     # the model's size, not 224
+    card = (folder / "README.md").read_text()
+    assert "import dcvit" in card and "Please upgrade timm" in card
+    loaded = timm.create_model(f"local-dir:{folder}", pretrained=True)
+    assert loaded.num_classes == 5 and loaded.pretrained_cfg["label_names"] == names
+    _assert_same_model(loaded, model)
+    with pytest.raises(ValueError, match="3 names for a model with 5 classes"):
+        dcvit.save_pretrained(model, tmp_path / "bad", label_names=names[:3])
+
+
+def test_save_pretrained_lays_out_the_weights_aligned_for_a_memory_map(tmp_path):
+    """Valid safetensors (its own loader reads it back exactly), and every tensor whose size is
+    a multiple of 64 bytes (all weight matrices) starts 64-byte aligned in the file."""
+    from safetensors import safe_open
+
+    model = _model().to(torch.bfloat16)
+    model.head.bias.data[:] = torch.arange(5)         # head.bias (10 bytes) sorts before head.weight
+    dcvit.save_pretrained(model, tmp_path)
+    path = tmp_path / "model.safetensors"
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    header = json.loads(path.read_bytes()[8:8 + header_len])
+    assert (8 + header_len) % 64 == 0 and header["__metadata__"] == {"format": "pt"}
+    state = model.state_dict()
+    with safe_open(str(path), "pt") as f:
+        assert sorted(f.keys()) == sorted(state)
+        for name, tensor in state.items():
+            assert torch.equal(f.get_tensor(name), tensor) and f.get_tensor(name).dtype == torch.bfloat16
+    aligned = [n for n, t in state.items() if t.numel() * t.element_size() % 64 == 0]
+    assert "head.weight" in aligned and "blocks.0.attn.qkv.weight" in aligned
+    assert all(header[n]["data_offsets"][0] % 64 == 0 for n in aligned)
