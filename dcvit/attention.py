@@ -24,6 +24,7 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .compose import compose_unchecked
+from .export_core import export_core
 from .fused import composed_attention, composed_attention_compile, select_impl
 from .matrices import (ComposeMatrices, ComposeSlots, rms_normalize, slot_matrices,
                        slot_matrices_from_projections, stage_matrices)
@@ -379,6 +380,8 @@ class DCMHA(nn.Module):
               is_causal: bool) -> Tensor:
         """The attention core chosen by `dcvit.fused.select_impl` (``self.attn_impl`` forces one)."""
         impl = select_impl(self.attn_impl, q, self.training)
+        if impl == "export":
+            return export_core(self, q, k, v, x, attn_mask, is_causal)
         if impl == "reference" or (attn_mask is not None and attn_mask.requires_grad):
             w1, w2, dd = self.dynamic_weights(x) if self.dynamic_weights is not None else (None, None, None)
             return self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
