@@ -6,6 +6,7 @@ Usage (installed as ``dcvit-bench``; ``python scripts/benchmark.py`` is the same
     dcvit-bench --dtypes fp32,bf16 --no-compile   # sub-selections
     dcvit-bench --layer --batch-size 16 --tokens 197 --dim 384 --heads 6
     dcvit-bench --model eva02_tiny_patch14_224 --convert rank=2   # converted vs the original
+    dcvit-bench --onnx --onnx-before              # exported, in ONNX Runtime (batch 1 and 16)
 
 Method (docs/spec.md §5): both models are built in one process and timed alternately (DCViT, ViT,
 then ViT, DCViT, ...), after warm-up, same batch, dtype and threads; a figure is the ratio of
@@ -18,6 +19,9 @@ on CUDA; ``cpp``, ``torch``, ``compile`` on CPU), so that cores can be compared.
 ``--convert [KEY=VALUE ...]`` times ``--model`` converted to DCMHA (`dcvit.convert` with
 those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic
 fast core) against the plain formulation of docs/spec.md §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
+``--onnx`` exports DCViT and its baseline and times them in ONNX Runtime instead
+(`dcvit.onnx_bench`; ``--threads`` intra-op threads, default 2; ``--onnx-before`` adds DCViT
+exported with the paper's formulation).
 Results go to stdout as a table and to ``--json`` (written atomically).
 """
 import argparse
@@ -252,6 +256,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--convert", nargs="*", default=None, metavar="KEY=VALUE",
                    help="time --model converted to DCMHA (dcvit.convert with these DCMHA options, "
                         "e.g. rank=2) against --model itself")
+    p.add_argument("--onnx", action="store_true",
+                   help="export both models and time them in ONNX Runtime (CPU provider) at --onnx-batches")
+    p.add_argument("--onnx-batches", default="1,16", help="--onnx: comma list of batch sizes")
+    p.add_argument("--onnx-before", action="store_true",
+                   help="--onnx: also time DCViT exported with the paper's formulation (Einsum)")
+    p.add_argument("--onnx-no-spin", action="store_true",
+                   help="--onnx: ONNX Runtime threads sleep instead of spinning (busy shared machines)")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-compiled", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -292,7 +303,18 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             "argv": list(argv) if argv is not None else sys.argv[1:],
             "steps": args.steps, "warmup": args.warmup, "impl": args.impl,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    if args.layer:
+    if args.onnx:
+        from .onnx_bench import bench_onnx
+        try:
+            batches = [int(b) for b in args.onnx_batches.split(",")]
+        except ValueError:
+            raise SystemExit(f"dcvit-bench: --onnx-batches takes a comma list of integers, got {args.onnx_batches!r}")
+        baseline = args.baseline or args.model.replace("dcvit_", "vit_", 1)
+        print(f"{args.model} vs {baseline}, exported, ONNX Runtime CPU, {args.threads or 2} threads")
+        result = {**meta, "model": args.model, "baseline": baseline, **bench_onnx(
+            args.model, baseline, args.img_size, args.depth, batches, args.threads or 2, args.steps,
+            max(args.warmup, 2), args.onnx_before, not args.onnx_no_spin)}
+    elif args.layer:
         result = {**meta, **_layer_bench(args, device)}
     else:
         result = {**meta, **_model_bench(args, device)}

@@ -102,9 +102,11 @@ def _is_exporting() -> bool:
 def select_impl(layer_impl: str, q: Tensor, training: bool = False) -> str:
     """The attention core to run on queries ``q`` (B, H, N, D): the one place that picks it.
 
-    ``torch.jit.trace`` tracing (fvcore traces) or ``torch.export`` (ONNX export) ->
-    ``reference`` whatever is forced, so that the trace records every op rather than one
-    opaque fused call and an exported program holds standard ops only. (FX symbolic tracing
+    ``torch.export`` (ONNX export, AOTInductor) -> ``export`` (`dcvit.export_core`: standard
+    ops arranged for inference engines) unless ``reference`` or ``cpp`` is forced (the paper's
+    graph; the C++ custom op kept in the program). ``torch.jit.trace`` tracing (fvcore traces)
+    -> ``reference`` whatever is forced, so that the trace records every op rather than one
+    opaque fused call. (FX symbolic tracing
     records DCMHA's core as one call, which runs this selection when the graph runs.) Otherwise the
     forced core (context, then layer) or, for ``auto``: inside ``torch.compile`` -> ``cpp``
     on CPU when the kernel builds (a custom op the graph keeps), on CUDA the measured core
@@ -117,8 +119,8 @@ def select_impl(layer_impl: str, q: Tensor, training: bool = False) -> str:
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
-    if _is_exporting():                              # dcvit.export_core, unless "reference" is forced
-        return "reference" if name == "reference" else "export"
+    if _is_exporting() and name not in ("reference", "cpp"):
+        return "export"                              # dcvit.export_core (forced reference/cpp: kept)
     if _is_fx_tracing() or torch.jit.is_tracing() or q.device.type == "meta":
         return "reference"                           # meta: shapes only, as timm's config tests run
     cpu = q.device.type == "cpu"
