@@ -151,7 +151,7 @@ def _onnx_export(model, x, path):
 @pytest.mark.slow
 def test_onnx_export_runs_in_onnxruntime(tmp_path):
     import onnxruntime as ort
-    from dcvit.onnx_bench import onnx_ops
+    from dcvit.export_bench import onnx_ops
     model = _model().eval()
     path = tmp_path / "dcvit.onnx"
     if _onnx_export(model, torch.randn(2, 3, 32, 32), path):

@@ -118,7 +118,7 @@ def test_onnx_graph_has_no_einsum_and_runs_in_onnxruntime(tmp_path):
     Einsum nodes), and ONNX Runtime's output equals eager."""
     import numpy as np
     import onnxruntime as ort
-    from dcvit.onnx_bench import export_onnx, onnx_ops
+    from dcvit.export_bench import export_onnx, onnx_ops
     torch.manual_seed(0)
     model = timm.create_model("dcvit_tiny", img_size=32, depth=2, num_classes=7).eval()
     fast, ref = export_onnx(model, tmp_path / "fast.onnx", 32), export_onnx(model, tmp_path / "ref.onnx", 32, "reference")

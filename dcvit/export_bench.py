@@ -1,4 +1,5 @@
-"""Exported DCViT against its exported ViT baseline in ONNX Runtime (``dcvit-bench --onnx``).
+"""Exported DCViT against its exported ViT baseline: ONNX Runtime (``dcvit-bench --onnx``) and
+AOTInductor (``dcvit-bench --aoti``).
 
 Both models are exported with ``torch.onnx.export`` (the default, ``torch.export``-based
 exporter, with a dynamic batch dimension) into a temporary folder and run in ONNX Runtime's
@@ -8,6 +9,13 @@ ratio of the median run times (ViT time / DCViT time). With ``--onnx-before`` DC
 exported with the paper's formulation (the ``reference`` core, ``Einsum`` nodes), the graph
 exports had before `dcvit.export_core`, and timed against the same ViT session, so that one
 run gives the before -> after table.
+
+``--aoti`` exports both models with ``torch.export`` (dynamic batch) and compiles each into
+an AOTInductor package (``torch._inductor.aoti_compile_and_package``, minutes per model on
+a small CPU), then times the loaded packages the same way with ``--threads`` torch threads.
+``--aoti-cpp`` adds DCViT exported with the C++ attention core kept as its custom op
+(``attention_impl("cpp")``): that package runs only where dcvit is imported, since the op
+is registered by dcvit.
 """
 import contextlib
 import statistics
@@ -19,7 +27,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-__all__ = ["export_onnx", "onnx_ops", "bench_onnx"]
+__all__ = ["export_onnx", "onnx_ops", "bench_onnx", "bench_aoti"]
 
 
 def export_onnx(model: torch.nn.Module, path: Path, img_size: int, formulation: str = "export") -> Path:
@@ -90,15 +98,7 @@ def bench_onnx(model: str, baseline: str, img_size: int = 224, depth: int = 0,
     except ImportError as e:
         raise SystemExit(f"dcvit-bench --onnx needs onnxruntime and onnxscript: pip install 'dcvit[onnx]' ({e})")
     import numpy as np
-    import timm
-    import dcvit  # noqa: F401  (registers the DCViT models)
-    kwargs: Dict[str, Any] = dict(img_size=img_size)
-    if depth:
-        kwargs["depth"] = depth
-    built = {}
-    for key, name in (("vit", baseline), ("dcvit", model)):
-        torch.manual_seed(0)
-        built[key] = timm.create_model(name, **kwargs).eval()
+    built = _build(model, baseline, img_size, depth)
     plan = [("vit", "vit", "export"), ("dcvit", "dcvit", "export")]
     if before:
         plan.append(("dcvit_reference", "dcvit", "reference"))
@@ -129,4 +129,61 @@ def bench_onnx(model: str, baseline: str, img_size: int = 224, depth: int = 0,
             print(line, flush=True)
     out.update(threads=threads, steps=steps, warmup=warmup, img_size=img_size,
                onnxruntime=onnxruntime.__version__, spinning=spinning)
+    return out
+
+
+def _build(model: str, baseline: str, img_size: int, depth: int) -> Dict[str, torch.nn.Module]:
+    import timm
+    import dcvit  # noqa: F401  (registers the DCViT models)
+    kwargs: Dict[str, Any] = dict(img_size=img_size)
+    if depth:
+        kwargs["depth"] = depth
+    built = {}
+    for key, name in (("vit", baseline), ("dcvit", model)):
+        torch.manual_seed(0)
+        built[key] = timm.create_model(name, **kwargs).eval()
+    return built
+
+
+def bench_aoti(model: str, baseline: str, img_size: int = 224, depth: int = 0,
+               batches: Sequence[int] = (1, 16), threads: int = 2, steps: int = 9, warmup: int = 2,
+               cpp: bool = False) -> Dict[str, Any]:
+    """Compile ``model`` and ``baseline`` with AOTInductor and time the packages side by side.
+
+    Returns ``{"compiles": {name: seconds}, "figures": {"b1": {...}, ...}}``, each figure
+    with the median ms of every package and ``ratio`` (= vit / dcvit), and with ``cpp`` also
+    ``dcvit_cpp_ms`` and ``ratio_cpp``.
+    """
+    from .fused import attention_impl
+    built = _build(model, baseline, img_size, depth)
+    plan = [("vit", "vit", "auto"), ("dcvit", "dcvit", "auto")] + ([("dcvit_cpp", "dcvit", "cpp")] if cpp else [])
+    torch.set_num_threads(threads)
+    x = torch.randn(2, 3, img_size, img_size)
+    batch = torch.export.Dim("batch", min=1, max=max(256, *batches))
+    out: Dict[str, Any] = {"compiles": {}, "figures": {}}
+    packages = {}
+    with tempfile.TemporaryDirectory(prefix="dcvit-aoti-") as tmp:
+        for key, which, core in plan:
+            start = time.perf_counter()
+            with attention_impl(core), torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                program = torch.export.export(built[which], (x,), dynamic_shapes=({0: batch},))
+                path = torch._inductor.aoti_compile_and_package(program, package_path=str(Path(tmp) / f"{key}.pt2"))
+            packages[key] = torch._inductor.aoti_load_package(path)
+            out["compiles"][key] = time.perf_counter() - start
+            print(f"  compiled {key:<10} in {out['compiles'][key]:6.1f} s", flush=True)
+        for b in batches:
+            xb = torch.randn(b, 3, img_size, img_size, generator=torch.Generator().manual_seed(0))
+            runs = {k: (lambda p=p: p(xb)) for k, p in packages.items()}
+            with torch.no_grad():
+                med = _time_alternately(runs, warmup, steps)
+            fig: Dict[str, Any] = {f"{k}_ms": v for k, v in med.items()}
+            fig["ratio"] = med["vit"] / med["dcvit"]
+            line = f"  batch {b:<3} ViT {med['vit']:8.1f} ms  DCViT {med['dcvit']:8.1f} ms  ratio {fig['ratio']:.3f}"
+            if cpp:
+                fig["ratio_cpp"] = med["vit"] / med["dcvit_cpp"]
+                line += f"  (C++ core kept: {med['dcvit_cpp']:8.1f} ms, ratio {fig['ratio_cpp']:.3f})"
+            out["figures"][f"b{b}"] = fig
+            print(line, flush=True)
+    out.update(threads=threads, steps=steps, warmup=warmup, img_size=img_size)
     return out
