@@ -113,20 +113,26 @@ def test_converted_layers_export_the_same_formulation(family):
 
 
 @pytest.mark.slow
-def test_onnx_graph_has_no_einsum_and_runs_in_onnxruntime(tmp_path):
-    """The ONNX file of the default exporter: MatMul, no Einsum (the reference formulation:
-    Einsum nodes), and ONNX Runtime's output equals eager."""
-    import numpy as np
-    import onnxruntime as ort
-    from dcvit.export_bench import export_onnx, onnx_ops
-    torch.manual_seed(0)
-    model = timm.create_model("dcvit_tiny", img_size=32, depth=2, num_classes=7).eval()
-    fast, ref = export_onnx(model, tmp_path / "fast.onnx", 32), export_onnx(model, tmp_path / "ref.onnx", 32, "reference")
-    assert onnx_ops(fast).get("Einsum", 0) == 0 and onnx_ops(fast)["MatMul"] > 0
-    assert onnx_ops(ref)["Einsum"] > 0
-    session = ort.InferenceSession(str(fast), providers=["CPUExecutionProvider"])
-    x = torch.randn(5, 3, 32, 32)
-    got = session.run(None, {"x": x.numpy()})[0]
-    with torch.no_grad():
-        want = model(x).numpy()
-    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+def test_dcvit_bench_onnx_exports_both_formulations_and_times_them(tmp_path):
+    """`dcvit-bench --onnx --onnx-before` on a one-block model: the DCViT file holds no
+    Einsum, the reference one does, and every batch gets its medians and ratios."""
+    import json
+    from dcvit import benchmark
+    path = tmp_path / "onnx.json"
+    benchmark.run(["--onnx", "--onnx-before", "--depth", "1", "--img-size", "32", "--steps", "1",
+                   "--onnx-batches", "1,3", "--json", str(path)])
+    result = json.loads(path.read_text())["onnx"]
+    exports = result["exports"]
+    assert exports["dcvit"]["ops"].get("Einsum", 0) == 0 and exports["dcvit"]["ops"]["MatMul"] > 0
+    assert exports["dcvit_reference"]["ops"]["Einsum"] == 9        # the paper's graph, one block
+    assert exports["vit"]["ops"].get("Einsum", 0) == 0
+    for b in ("b1", "b3"):
+        fig = result["figures"][b]
+        assert fig["ratio"] == pytest.approx(fig["vit_ms"] / fig["dcvit_ms"])
+        assert fig["ratio_reference"] > 0
+
+
+def test_dcvit_bench_rejects_bad_onnx_batches():
+    from dcvit import benchmark
+    with pytest.raises(SystemExit, match="--onnx-batches"):
+        benchmark.run(["--onnx", "--onnx-batches", "1,x"])
