@@ -24,7 +24,8 @@ custom op:
 
 * ``"compile"``: plain differentiable PyTorch written for inductor to fuse (no graph breaks);
 * ``"reference"``: the `Compose` modules, one tensor per term (hooks see every map;
-  TorchScript, ``torch.jit.trace`` and ``torch.export`` use it).
+  TorchScript and ``torch.jit.trace`` use it); ``torch.export`` records ``"export"``,
+  `dcvit.export_core` (standard ops for inference engines).
 
 `select_impl` is the one place that picks a core (by device, dtype and context);
 `attention_impl` forces one. The per-slot Compose matrices travel as
