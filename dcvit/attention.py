@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from .cli import did_you_mean
 from .compose import compose_unchecked
+from .export_core import export_core
 from .fused import composed_attention, composed_attention_compile, select_impl
 from .matrices import (ComposeMatrices, ComposeSlots, compose_stage_macs, rms_normalize,
                        slot_matrices, slot_matrices_from_projections, stage_matrices)
@@ -444,6 +445,8 @@ class DCMHA(nn.Module):
         """The attention core chosen by `dcvit.fused.select_impl` (``self.attn_impl`` forces one)."""
         dropout = self.training and self.attn_drop.p > 0
         impl, _ = select_impl(self.attn_impl, q, weights=dropout, mask=attn_mask)
+        if impl == "export":
+            return export_core(self, q, k, v, x, attn_mask, is_causal)
         if impl == "reference":
             w1, w2, dd = self.dynamic_weights(x) if self.dynamic_weights is not None else (None, None, None)
             return self._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)

@@ -7,6 +7,8 @@ Usage (installed as ``dcvit-bench``; ``python scripts/benchmark.py`` is the same
     dcvit-bench --layer --batch-size 16 --tokens 197 --dim 384 --heads 6
     dcvit-bench --model eva02_tiny_patch14_224 --convert rank=2   # converted vs the original
     dcvit-bench --explain --dtypes fp32,bf16      # which attention core runs, and why
+    dcvit-bench --onnx --onnx-before              # exported, in ONNX Runtime (batch 1 and 16)
+    dcvit-bench --aoti --aoti-cpp                 # AOTInductor packages (minutes of compiling)
 
 Method (docs/spec.md §5): both models are built in one process and timed alternately (DCViT, ViT,
 then ViT, DCViT, ...), after warm-up, same batch, dtype and threads; a figure is the ratio of
@@ -21,6 +23,10 @@ model (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over traini
 ``--convert [KEY=VALUE ...]`` times ``--model`` converted to DCMHA (`dcvit.convert` with
 those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic
 fast core) against the plain formulation of docs/spec.md §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
+``--onnx`` exports DCViT and its baseline and times them in ONNX Runtime instead, ``--aoti``
+compiles them with AOTInductor (`dcvit.export_bench`; ``--threads`` threads, default 2;
+batches ``--onnx-batches``; ``--onnx-before`` adds DCViT exported with the paper's
+formulation, ``--aoti-cpp`` DCViT with the C++ core kept as a custom op).
 Results go to stdout as a table and to ``--json`` (written atomically).
 """
 import argparse
@@ -252,6 +258,26 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
     return out
 
 
+def _export_bench(args: argparse.Namespace) -> Dict[str, Any]:
+    """``--onnx`` / ``--aoti``: the exported models side by side (dcvit.export_bench)."""
+    from .export_bench import bench_aoti, bench_onnx
+    try:
+        batches = [int(b) for b in args.onnx_batches.split(",")]
+    except ValueError:
+        raise SystemExit(f"dcvit-bench: --onnx-batches takes a comma list of integers, got {args.onnx_batches!r}")
+    baseline = args.baseline or args.model.replace("dcvit_", "vit_", 1)
+    threads, warmup = args.threads or 2, max(args.warmup, 2)
+    out: Dict[str, Any] = {"model": args.model, "baseline": baseline}
+    common = (args.model, baseline, args.img_size, args.depth, batches, threads, args.steps, warmup)
+    if args.onnx:
+        print(f"{args.model} vs {baseline}, exported to ONNX, ONNX Runtime CPU, {threads} threads")
+        out["onnx"] = bench_onnx(*common, before=args.onnx_before, spinning=not args.onnx_no_spin)
+    if args.aoti:
+        print(f"{args.model} vs {baseline}, AOTInductor packages, {threads} threads")
+        out["aoti"] = bench_aoti(*common, cpp=args.aoti_cpp)
+    return out
+
+
 def _print_table(result: Dict[str, Any]) -> None:
     name = result["model"] + (" + DCMHA (dcvit.convert)" if "convert" in result else "")
     print(f"\n{name} vs {result['baseline']} ({result['device']}, "
@@ -301,6 +327,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--convert", nargs="*", default=None, metavar="KEY=VALUE",
                    help="time --model converted to DCMHA (dcvit.convert with these DCMHA options, "
                         "e.g. rank=2) against --model itself")
+    p.add_argument("--onnx", action="store_true",
+                   help="export both models and time them in ONNX Runtime (CPU provider) at --onnx-batches")
+    p.add_argument("--onnx-batches", default="1,16", help="--onnx: comma list of batch sizes")
+    p.add_argument("--onnx-before", action="store_true",
+                   help="--onnx: also time DCViT exported with the paper's formulation (Einsum)")
+    p.add_argument("--onnx-no-spin", action="store_true",
+                   help="--onnx: ONNX Runtime threads sleep instead of spinning (busy shared machines)")
+    p.add_argument("--aoti", action="store_true",
+                   help="compile both models with AOTInductor (CPU) and time the packages at --onnx-batches")
+    p.add_argument("--aoti-cpp", action="store_true",
+                   help="--aoti: also DCViT with the C++ attention core kept as a custom op")
     p.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--memory-compiled", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -343,6 +380,8 @@ def run(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     if args.explain:
         result = {**meta, **_explain(args, device)}
+    elif args.onnx or args.aoti:
+        result = {**meta, **_export_bench(args)}
     elif args.layer:
         result = {**meta, **_layer_bench(args, device)}
     else:

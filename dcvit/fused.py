@@ -4,8 +4,10 @@ With each Compose stage merged into per-token H×H matrices (`dcvit.matrices`), 
 core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Four *cores* compute it:
 
 * ``"reference"``: the `Compose` modules, one (B, H, T, S) tensor per term: the spec, what
-  hooks see, and what TorchScript, ``torch.jit.trace`` (fvcore) and ``torch.export`` record.
-  DCMHA runs it itself (`dcvit.attention`).
+  hooks see, and what TorchScript and ``torch.jit.trace`` (fvcore) record. DCMHA runs it
+  itself (`dcvit.attention`). Under ``torch.export`` (ONNX, AOTInductor) the layer runs
+  ``"export"`` instead, `dcvit.export_core`: the same maths in standard ops arranged for
+  inference engines (not a core one can force).
 * ``"cpp"``: the C++ kernels (`dcvit.kernels.compose_cpu`, operators ``dcvit_cpu::*``), CPU:
   the whole core, products included, flash-style per batch element and block of queries;
   float32/float64 (bfloat16/float16 operands are computed in float32 and cast back);
@@ -111,9 +113,11 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
     training); ``mask``: the additive or boolean mask it will pass (one that requires grad
     needs a differentiable core). Returns ``(core, reason)``, the reason a short sentence.
 
-    Tracing (``torch.jit.trace``, FX) and ``torch.export`` -> ``reference`` whatever is
-    forced, so that the trace records every op and an exported program holds standard ops
-    only; meta tensors likewise (shapes only). Otherwise the forced core (`attention_impl`,
+    ``torch.export`` (ONNX export, AOTInductor) -> ``export`` (`dcvit.export_core`: standard
+    ops arranged for inference engines) unless ``reference`` (the paper's graph) or ``cpp``
+    (the C++ custom op kept in the program) is forced. Tracing (``torch.jit.trace``, FX) ->
+    ``reference`` whatever is forced, so that the trace records every op of the spec; meta
+    tensors likewise (shapes only). Otherwise the forced core (`attention_impl`,
     then the layer's ``attn_impl``): a forced kernel that cannot take the inputs raises
     ``ValueError`` with the reason. ``auto``: the weights or a mask gradient -> ``compile``;
     CPU -> ``cpp`` when the kernel is built and takes the inputs (also inside
@@ -124,8 +128,12 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
-    if _is_fx_tracing() or torch.jit.is_tracing() or _is_exporting():
-        return "reference", "traced or exported: the program records every op of the spec"
+    if _is_exporting() and name not in ("reference", "cpp"):
+        return "export", "exported: standard ops arranged for inference engines (dcvit.export_core)"
+    if _is_fx_tracing() or torch.jit.is_tracing():
+        return "reference", "traced: the trace records every op of the spec"
+    if _is_exporting() and name == "reference":
+        return "reference", "forced, exported: the paper's graph"
     if q.device.type == "meta":
         return "reference", "meta tensors: shapes only"
     if name in _KERNEL_CORES:

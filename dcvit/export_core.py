@@ -1,0 +1,120 @@
+"""DCMHA's attention core for exported programs: a graph made for inference engines.
+
+Under ``torch.export`` (and so the ONNX exporter and AOTInductor) `dcvit.fused.select_impl`
+picks the ``"export"`` core, `export_core`. It computes what the reference core computes
+(docs/spec.md §1.1-1.3), from standard ops only, arranged for engines that run one op at a
+time (ONNX Runtime): no ``Einsum``, batched ``MatMul`` for every product, and few passes over
+the (B, H, N, N) maps.
+
+* The dynamic weights come from two GEMMs (the slots' second projection as one
+  block-diagonal matrix), and every slot's Compose matrix (`dcvit.matrices`) from a few
+  small ops on (B, N, G, H, H): ``Mq`` = identity + static + query-wise low-rank + gate,
+  ``Mk`` = key-wise low-rank + gate.
+* The maps are kept query-major, (B, T, H, S), so that the softmax runs on the last axis.
+* A Compose stage is two batched ``MatMul``: the query side ``Mq[b,t]^T @ a[b,t]`` (one
+  H×H matrix per query, on (H, S) blocks) and the key side ``a[b,:,:,s] @ Mk[b,s]`` (per
+  key, on (T, H) blocks of the map moved to (B, S, T, H)), then one ``Add``.
+* Every layout change moves a single axis (ONNX Runtime's fast transposes). A reshape
+  (`_materialised`) fixes the query-major map as a tensor of its own: without it ONNX
+  Runtime's transpose optimiser merges the two layout changes around a Compose stage into
+  one general permutation, several times slower.
+
+Attention dropout in training needs the composed weights as the reference core makes them:
+a training-mode layer with ``attn_drop > 0`` runs the reference core.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from timm.layers.attention import resolve_self_attn_mask
+from torch import Tensor, nn
+
+from .matrices import RMS_EPS
+
+__all__ = ["export_core"]
+
+
+def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
+    """Every dynamic slot's Compose matrix (B, N, G, H, H), or None without dynamic slots:
+    ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity and the stage's static
+    matrix on the query slots."""
+    dw = layer.dynamic_weights
+    if dw is None:
+        return None
+    B, N, C = x.shape
+    G, K, H, R = dw.num_slots, dw.hidden_dim, dw.num_heads, dw.rank
+    eye = torch.eye(H, dtype=x.dtype, device=x.device)
+    gate_in: Optional[Tensor] = None
+    m: Optional[Tensor] = None
+    if dw.dw1 is not None and dw.qkw is not None:
+        if dw.dd_w is not None:                                  # both input projections in one GEMM
+            y = x @ torch.cat([dw.dw1.reshape(C, G * K), dw.dd_w], dim=1)
+            hidden, gate_in = y[..., :G * K], y[..., G * K:]
+        else:
+            hidden = x @ dw.dw1.reshape(C, G * K)
+        hidden = dw.drop(F.gelu(hidden, approximate=dw.approximate))            # (B, N, G*K)
+        qkw = torch.block_diag(*dw.qkw.reshape(G, K, 2 * R * H).unbind(0))     # (G*K, G*2R*H)
+        w = (hidden @ qkw).reshape(B, N, G, 2 * R, H)
+        w1, w2 = w[..., :R, :], w[..., R:, :]
+        w1 = w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS)
+        m = (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)                  # (B, N, G, H, H)
+    if dw.dd_w is not None:
+        if gate_in is None:
+            gate_in = x @ dw.dd_w
+        dd = dw.drop(torch.tanh(gate_in)).reshape(B, N, G, H, 1) * eye         # (B, N, G, H, H)
+        m = dd if m is None else m + dd
+    assert m is not None
+    fixed = [torch.zeros_like(eye)] * G                          # identity and static, per slot
+    for stage, slot in ((layer.pre_compose, layer.slots.pre_q), (layer.post_compose, layer.slots.post_q)):
+        if stage is not None and slot is not None:
+            fixed[slot] = eye if stage.static is None else eye + stage.static.to(x.dtype)
+    return m + torch.stack(fixed)                                # (parameters only: folded by engines)
+
+
+def _materialised(a: Tensor) -> Tensor:
+    """``a`` itself, through a reshape that engines keep (see the module docstring)."""
+    B, T, H, S = a.shape
+    return a.reshape(B, T, H * S).reshape(B, T, H, S)
+
+
+def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_slot: Optional[int],
+             k_slot: Optional[int]) -> Tensor:
+    """One Compose stage on the query-major map a (B, T, H, S)."""
+    if stage is None:
+        return a
+    H = a.shape[2]
+    if mats is not None and q_slot is not None:
+        out = mats[:, :, q_slot].transpose(-1, -2) @ a                          # (B, T, H, S)
+    elif stage.static is not None:
+        eye = torch.eye(H, dtype=a.dtype, device=a.device)
+        out = (eye + stage.static.to(a.dtype)).transpose(0, 1) @ a
+    else:
+        out = a
+    if mats is not None and k_slot is not None:
+        per_key = a.permute(0, 3, 1, 2) @ mats[:, :, k_slot]                    # (B, S, T, H)
+        out = out + per_key.permute(0, 2, 3, 1)
+    return out
+
+
+def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
+                attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
+    """The attention core of a `dcvit.DCMHA` (or converted) layer: q, k, v (B, H, N, D) and
+    the layer input x (B, N, C) -> (B, H, N, D), equal to ``layer._reference_core`` up to
+    rounding."""
+    if layer.training and layer.attn_drop.p > 0:
+        w1, w2, dd = layer.dynamic_weights(x) if layer.dynamic_weights is not None else (None, None, None)
+        return layer._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
+    N = q.shape[2]
+    slots = layer.slots
+    mats = _slot_matrices(layer, x.to(q.dtype))
+    a = _materialised(((q * layer.scale) @ k.transpose(-2, -1)).transpose(1, 2))   # (B, T, H, S)
+    a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
+    mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)
+    if mask is not None:
+        mask = mask.to(a.dtype)
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        a = a + mask.transpose(1, 2)
+    a = a.softmax(dim=-1)
+    a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
+    return _materialised(a).transpose(1, 2) @ v                                # (B, H, T, D)
