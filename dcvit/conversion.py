@@ -406,7 +406,8 @@ def fit_state_dict(model: nn.Module, state_dict: Dict[str, Tensor], source: str 
                          f"(dcvit.convert(model, ...) with the options it was converted with)")
     missing = [k for k in own if is_dcmha_key(k) and k not in state_dict]
     if missing and not any(is_dcmha_key(k) for k in state_dict):
-        _logger.warning("%s is of the model before conversion: %d DCMHA tensors keep their initialisation: %s",
+        _logger.warning("%s is of a model without DCMHA (a plain ViT, the model before conversion): "
+                        "%d DCMHA tensors keep their initialisation: %s",
                         source, len(missing), ", ".join(missing))
         state_dict = {**state_dict, **{k: own[k] for k in missing}}
     return state_dict

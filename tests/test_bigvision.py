@@ -295,6 +295,10 @@ def test_prefix_and_scan_layouts_load_the_same(tmp_path):
                               pretrained_cfg_overlay=dict(file=str(tmp_path / "scan.npz"))).eval()
     with torch.no_grad():
         np.testing.assert_allclose(model(x).numpy(), io["logits_dc"], rtol=0, atol=1e-5)
+    again = dcvit.load_weights(timm.create_model("dcvit_small_patch16_bv_224", **FIXTURE_SIZE),
+                               tmp_path / "scan.npz").eval()       # the same file through load_weights
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
 
 
 def _load_error(tmp_path, arrays, name, **size):
