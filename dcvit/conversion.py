@@ -85,9 +85,9 @@ DCMHA_STATE_PARTS = DCMHA_PARTS
 
 class ComposeCore(DCMHA):
     """DCMHA's attention core inside a converted layer, which owns it as ``core`` and calls
-    ``_eager_core(self, q, k, v, x, mask, is_causal)``: q, k, v (B, H, N, D), the layer
-    input x (B, N, C) the dynamic weights are generated from, an additive mask -> (B, H, N, D)
-    on the core `dcvit.fused` selects.
+    its ``_core(q, k, v, x, mask, is_causal)``: q, k, v (B, H, N, D), the layer input x
+    (B, N, C) the dynamic weights are generated from, an additive mask -> (B, H, N, D) on
+    the core `dcvit.fused` selects.
 
     A `DCMHA` built with the layer's options, less the parts a core does not use (q/k/v, the
     norms, the output projection), with the layer's ``scale`` and ``attn_drop``. Its
@@ -97,8 +97,7 @@ class ComposeCore(DCMHA):
     """
 
     def __init__(self, layer: nn.Module, dim: int, options: DCMHAOptions) -> None:
-        p = next(layer.parameters())
-        super().__init__(dim, layer.num_heads, options=options, device=p.device, dtype=p.dtype)
+        super().__init__(dim, layer.num_heads, options=options, **_device_dtype(layer))
         for name in ("qkv", "q_norm", "k_norm", "norm", "proj", "proj_drop"):
             delattr(self, name)
         self.scale = layer.scale
@@ -257,11 +256,11 @@ def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA
     if variants:
         raise ValueError(f"convert: {where} is a timm Attention with {', '.join(variants)}, which DCMHA "
                          "does not implement; convert only the other layers with layers=[...]")
-    layer = _check_dims(lambda: DCMHA(
-        dim, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
-        qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
-        proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
-        norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn)), where, dim, attn.num_heads)
+    _check_heads(where, dim, attn.num_heads)
+    layer = DCMHA(dim, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
+                  qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
+                  proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
+                  norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn))
     taken = ["qkv", "norm", "proj", "attn_drop", "proj_drop"]
     if options.qk_norm_bias or getattr(attn.q_norm, "bias", None) is None:
         taken += ["q_norm", "k_norm"]
@@ -277,14 +276,10 @@ def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA
     return layer
 
 
-def _check_dims(build: Callable[[], nn.Module], where: str, dim: int, num_heads: int) -> nn.Module:
-    try:
-        return build()
-    except ValueError as e:
-        if dim % num_heads:
-            raise ValueError(f"convert: {where} has {num_heads} heads over {dim} input channels; "
-                             f"DCMHA needs the head count to divide the input width") from e
-        raise
+def _check_heads(where: str, dim: int, num_heads: int) -> None:
+    if dim % num_heads:
+        raise ValueError(f"convert: {where} has {num_heads} heads over {dim} input channels; "
+                         f"DCMHA needs the head count to divide the input width")
 
 
 def _with_core(module: nn.Module, cls: type, dim: int, options: DCMHAOptions, where: str) -> nn.Module:
@@ -295,7 +290,8 @@ def _with_core(module: nn.Module, cls: type, dim: int, options: DCMHAOptions, wh
     layer.__dict__ = dict(module.__dict__)
     for store in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         layer.__dict__[store] = type(module.__dict__[store])(module.__dict__[store])
-    layer.core = _check_dims(lambda: ComposeCore(layer, dim, options), where, dim, module.num_heads)
+    _check_heads(where, dim, module.num_heads)
+    layer.core = ComposeCore(layer, dim, options)
     return layer
 
 
