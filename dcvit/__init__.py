@@ -5,51 +5,54 @@
     import dcvit, timm
     model = timm.create_model("dcvit_small")          # 22,631,272 parameters
 
-Importing the package (or any ``dcvit.X``) imports timm, registers the model families' entry
-points and defines `compose`, nothing more: the attention layer, its fast cores and kernels
-load when a model is first built or a public name below is first used. So ``dcvit.io`` and
-``dcvit.schema`` (the files the trainer writes) cost no model code.
+The public names are those of the README's table (`__all__`). Importing the package (or any
+``dcvit.X``) imports timm, registers the model families' entry points and defines `compose`,
+nothing more: the attention layer, its fast cores and kernels load when a model is first
+built or a public name below is first used. So ``dcvit.io`` and ``dcvit.schema`` (the files
+the trainer writes) cost no model code. Other names live in their modules (``import
+dcvit.fused``, ``dcvit.models.DCVIT_MODELS``, ...).
 """
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any, List
 
 from . import bigvision as _bigvision  # noqa: F401  (registers *_patch16_bv_224 with timm)
 from . import models as _models  # noqa: F401  (registers dcvit_* with timm)
-from .bigvision import BV_DCMHA_OPTIONS, BigVisionViT
 from .compose import compose  # the maths (torch only); binds dcvit.compose to the function, not the module
-from .models import DCVIT_MODELS, checkpoint_filter_fn
 
 __version__ = "0.1.0"
 
 # Public name -> the module that defines it, imported on first use.
 _LAZY = {
-    "DCMHA": "attention", "DynamicWeights": "attention", "Compose": "attention",
-    "DCMHA_OPTIONS": "attention", "dcmha_layer": "attention",
-    "attention_maps": "maps",
+    "DCMHA": "attention", "DCMHAOptions": "attention",
     "convert": "conversion",
-    "save_weights": "weights", "load_weights": "weights", "read_state_dict": "weights",
+    "load_weights": "weights", "save_weights": "weights",
     "model_args": "hub", "save_pretrained": "hub",
+    "attention_maps": "maps",
 }
 
-__all__ = [
-    "compose", "convert", "DCMHA", "DynamicWeights", "Compose", "DCMHA_OPTIONS", "dcmha_layer",
-    "DCVIT_MODELS", "checkpoint_filter_fn", "BigVisionViT", "BV_DCMHA_OPTIONS", "attention_maps",
-    "save_weights", "load_weights", "read_state_dict", "model_args", "save_pretrained",
-]
+# Names of the previous release, deprecated: each warns once per use and names its module.
+_DEPRECATED = {
+    "DynamicWeights": "attention", "Compose": "attention", "DCMHA_OPTIONS": "attention",
+    "dcmha_layer": "attention", "DCVIT_MODELS": "models", "checkpoint_filter_fn": "models",
+    "BigVisionViT": "bigvision", "BV_DCMHA_OPTIONS": "bigvision", "read_state_dict": "weights",
+}
+
+__all__ = ["compose", "DCMHA", "DCMHAOptions", "convert", "load_weights", "save_weights",
+           "model_args", "save_pretrained", "attention_maps"]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    else:  # a submodule not imported yet: dcvit.fused.IMPLS after a bare `import dcvit`
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
+        globals()[name] = value
+        return value
+    if name in _DEPRECATED:
+        where = f"{__name__}.{_DEPRECATED[name]}"
+        warnings.warn(f"dcvit.{name} is deprecated; use {where}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (a submodule is reached after "
+                         f"`import {__name__}.{name}`; the public names are {__all__})")
 
 
 def __dir__() -> List[str]:
@@ -57,7 +60,8 @@ def __dir__() -> List[str]:
 
 
 if TYPE_CHECKING:
-    from .attention import DCMHA, DCMHA_OPTIONS, Compose, DynamicWeights, dcmha_layer
+    from .attention import DCMHA, DCMHAOptions
     from .conversion import convert
+    from .hub import model_args
     from .maps import attention_maps
-    from .weights import load_weights, read_state_dict, save_weights
+    from .weights import load_weights, save_weights

@@ -20,6 +20,10 @@ Supported attention modules (`SUPPORTED`):
   Encoder ``vit_pe_*``; grouped-query attention included) -> `DCAttentionRope`.
 * ``timm.models.swin_transformer.WindowAttention`` (Swin) -> `DCWindowAttention`.
 
+The last three keep timm's class and its forward up to the attention core (a copy of timm's
+code, held against timm at ``init="identity"`` under every flag it reads), and own DCMHA's
+core as ``core`` (`ComposeCore`).
+
 Where position terms and masks sit. DCMHA composes ``scale * q k^T`` (pre-compose), then
 adds the mask, softmaxes and composes the weights (post-compose) (docs/spec.md §1.3: masks
 after pre-compose). Rotary embeddings rotate q and k, so they are inside the scores that
@@ -50,8 +54,9 @@ from timm.models.swin_transformer import WindowAttention
 from torch import Tensor, nn
 
 from .attention import DCMHA, DCMHA_PARTS, DCMHAOptions, _eager_core
+from .matrices import ComposeSlots
 
-__all__ = ["convert", "convert_layers", "resolve_layers", "SUPPORTED", "INITS", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
+__all__ = ["convert", "convert_layers", "resolve_layers", "SUPPORTED", "INITS", "ComposeCore", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
            "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
            "dcmha_parameters", "fit_state_dict"]
 
@@ -78,24 +83,70 @@ torch.fx.wrap("_eager_core")
 DCMHA_STATE_PARTS = DCMHA_PARTS
 
 
-class _ComposedCore:
-    """DCMHA's attention cores for attention layers with their own q/k/v layout.
+class ComposeCore(DCMHA):
+    """DCMHA's attention core inside a converted layer, which owns it as ``core`` and calls
+    its ``_core(q, k, v, x, mask, is_causal)``: q, k, v (B, H, N, D), the layer input x
+    (B, N, C) the dynamic weights are generated from, an additive mask -> (B, H, N, D) on
+    the core `dcvit.fused` selects.
 
-    The methods are DCMHA's own functions: ``_core(q, k, v, x, mask, is_causal)`` takes
-    q, k, v (B, H, N, D), the layer input x (B, N, C) from which the dynamic weights are
-    generated, and an additive mask, and returns (B, H, N, D) on the core `dcvit.fused`
-    selects (``self.attn_impl`` or ``dcvit.fused.attention_impl`` force one).
+    A `DCMHA` built with the layer's options, less the parts a core does not use (q/k/v, the
+    norms, the output projection), with the layer's ``scale`` and ``attn_drop``. Its
+    parameterised parts (``dynamic_weights``, ``pre_compose``, ``post_compose``) are registered
+    on the layer, so the state-dict keys are the layer's (``attn.dynamic_weights.dw1``, as in
+    a DCMHA), and the core holds them as plain references: it has no parameters of its own.
     """
-    _slot = DCMHA._slot
-    _reference_core = DCMHA._reference_core
-    _core = DCMHA._core
-    _matrices = DCMHA._matrices
+
+    def __init__(self, layer: nn.Module, dim: int, options: DCMHAOptions) -> None:
+        super().__init__(dim, layer.num_heads, options=options, **_device_dtype(layer))
+        for name in ("qkv", "q_norm", "k_norm", "norm", "proj", "proj_drop"):
+            delattr(self, name)
+        self.scale = layer.scale
+        self.attn_drop = layer.attn_drop                     # the layer's dropout (no parameters)
+        for name in DCMHA_PARTS:
+            part = self._modules.pop(name)
+            setattr(layer, name, part)                       # registered once, on the layer
+            object.__setattr__(self, name, part)             # read here (not a submodule of the core)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}"
+
+
+class _Converted:
+    """A timm attention layer whose attention core is DCMHA's: it owns a `ComposeCore` as
+    ``core`` and calls it (``_eager_core(self, ...)`` -> ``self._core`` -> ``self.core._core``:
+    FX keeps the layer, its parameters included, as one call); ``options`` and ``attn_impl``
+    (and ``slots``, ``dim``) are the core's."""
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, attn_mask: Optional[Tensor],
+              is_causal: bool) -> Tensor:
+        return self.core._core(q, k, v, x, attn_mask, is_causal)
+
+    @property
+    def options(self) -> DCMHAOptions:
+        return self.core.options
+
+    @property
+    def slots(self) -> ComposeSlots:
+        return self.core.slots
+
+    @property
+    def dim(self) -> int:
+        """The input width (the dynamic weights are generated from it), as DCMHA's."""
+        return self.core.dim
+
+    @property
+    def attn_impl(self) -> str:
+        return self.core.attn_impl
+
+    @attn_impl.setter
+    def attn_impl(self, value: str) -> None:
+        self.core.attn_impl = value
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())
 
 
-class DCEvaAttention(_ComposedCore, EvaAttention):
+class DCEvaAttention(_Converted, EvaAttention):
     """timm's ``EvaAttention`` (rotary embeddings, q/v biases, sub-LN) with DCMHA's core."""
 
     def forward(self, x: Tensor, rope: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
@@ -107,7 +158,11 @@ class DCEvaAttention(_ComposedCore, EvaAttention):
                 qkv = self.qkv(x)
             else:
                 qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-                qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
+                if getattr(self, "qkv_bias_separate", False):
+                    qkv = self.qkv(x)
+                    qkv += qkv_bias
+                else:
+                    qkv = F.linear(x, weight=self.qkv.weight, bias=qkv_bias)
             q, k, v = qkv.reshape(B, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         else:
             q = self.q_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)    # (B, H, N, D)
@@ -126,7 +181,7 @@ class DCEvaAttention(_ComposedCore, EvaAttention):
         return self.proj_drop(self.proj(out))
 
 
-class DCAttentionRope(_ComposedCore, AttentionRope):
+class DCAttentionRope(_Converted, AttentionRope):
     """timm's ``AttentionRope`` (rotary embeddings, grouped-query attention) with DCMHA's core:
     k and v heads are repeated to the query heads before the core, as in the original."""
 
@@ -155,7 +210,7 @@ class DCAttentionRope(_ComposedCore, AttentionRope):
         return self.proj_drop(self.proj(out))
 
 
-class DCWindowAttention(_ComposedCore, WindowAttention):
+class DCWindowAttention(_Converted, WindowAttention):
     """timm's Swin ``WindowAttention`` with DCMHA's core, per window.
 
     The relative position bias (1, H, N, N) and the shifted-window mask (nW, N, N) are added
@@ -201,11 +256,11 @@ def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA
     if variants:
         raise ValueError(f"convert: {where} is a timm Attention with {', '.join(variants)}, which DCMHA "
                          "does not implement; convert only the other layers with layers=[...]")
-    layer = _check_dims(lambda: DCMHA(
-        dim, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
-        qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
-        proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
-        norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn)), where, dim, attn.num_heads)
+    _check_heads(where, dim, attn.num_heads)
+    layer = DCMHA(dim, attn.num_heads, qkv_bias=attn.qkv.bias is not None,
+                  qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
+                  proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
+                  norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn))
     taken = ["qkv", "norm", "proj", "attn_drop", "proj_drop"]
     if options.qk_norm_bias or getattr(attn.q_norm, "bias", None) is None:
         taken += ["q_norm", "k_norm"]
@@ -221,30 +276,22 @@ def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA
     return layer
 
 
-def _check_dims(build: Callable[[], DCMHA], where: str, dim: int, num_heads: int) -> DCMHA:
-    try:
-        return build()
-    except ValueError as e:
-        if dim % num_heads:
-            raise ValueError(f"convert: {where} has {num_heads} heads over {dim} input channels; "
-                             f"DCMHA needs the head count to divide the input width") from e
-        raise
+def _check_heads(where: str, dim: int, num_heads: int) -> None:
+    if dim % num_heads:
+        raise ValueError(f"convert: {where} has {num_heads} heads over {dim} input channels; "
+                         f"DCMHA needs the head count to divide the input width")
 
 
 def _with_core(module: nn.Module, cls: type, dim: int, options: DCMHAOptions, where: str) -> nn.Module:
-    """A ``cls`` (a `_ComposedCore` subclass of ``type(module)``) holding module's submodules,
-    parameters and buffers plus the DCMHA parts of a `DCMHA` built with ``options``."""
-    template = _check_dims(lambda: DCMHA(dim, module.num_heads, options=options, **_device_dtype(module)),
-                           where, dim, module.num_heads)
+    """A ``cls`` (a `_Converted` subclass of ``type(module)``) that shares module's
+    submodules, parameters, buffers and settings (whatever timm's forward reads), in stores of
+    its own so that the original is left intact, and owns a `ComposeCore` built with ``options``."""
     layer = cls.__new__(cls)
     layer.__dict__ = dict(module.__dict__)
     for store in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
         layer.__dict__[store] = type(module.__dict__[store])(module.__dict__[store])
-    layer.dim = dim                                              # the input width (as DCMHA's)
-    for name in DCMHA_STATE_PARTS:
-        setattr(layer, name, getattr(template, name))
-    for name in ("options", "slots", "attn_impl"):
-        setattr(layer, name, getattr(template, name))
+    _check_heads(where, dim, module.num_heads)
+    layer.core = ComposeCore(layer, dim, options)
     return layer
 
 
@@ -273,7 +320,8 @@ _CONVERTERS: Dict[type, Callable[[Any, DCMHAOptions, str], nn.Module]] = {
 
 def converted_layers(model: nn.Module) -> List[str]:
     """Names of the DCMHA layers (dcvit's own or converted) in ``model``."""
-    return [name for name, m in model.named_modules() if isinstance(m, (DCMHA, _ComposedCore))]
+    return [name for name, m in model.named_modules()
+            if isinstance(m, _Converted) or (isinstance(m, DCMHA) and not isinstance(m, ComposeCore))]
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -343,7 +391,7 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module (a timm model), got {type(model).__name__}")
     selected, found = convert_layers(model, layers, init, options)
-    skipped = [f"{n} ({t})" for n, t in _attention_like(model) if not isinstance(model.get_submodule(n), _ComposedCore)]
+    skipped = [f"{n} ({t})" for n, t in _attention_like(model) if not isinstance(model.get_submodule(n), _Converted)]
     if skipped:
         _logger.warning("convert: left %d module(s) of other attention types as they are: %s",
                         len(skipped), ", ".join(skipped))
@@ -406,7 +454,8 @@ def fit_state_dict(model: nn.Module, state_dict: Dict[str, Tensor], source: str 
                          f"(dcvit.convert(model, ...) with the options it was converted with)")
     missing = [k for k in own if is_dcmha_key(k) and k not in state_dict]
     if missing and not any(is_dcmha_key(k) for k in state_dict):
-        _logger.warning("%s is of the model before conversion: %d DCMHA tensors keep their initialisation: %s",
+        _logger.warning("%s is of a model without DCMHA (a plain ViT, the model before conversion): "
+                        "%d DCMHA tensors keep their initialisation: %s",
                         source, len(missing), ", ".join(missing))
         state_dict = {**state_dict, **{k: own[k] for k in missing}}
     return state_dict

@@ -4,7 +4,6 @@ from typing import Dict, List
 import torch
 from torch import Tensor, nn
 
-from .attention import DCMHA
 from .fused import attention_impl
 
 __all__ = ["attention_maps"]
@@ -24,7 +23,8 @@ def attention_maps(model: nn.Module, images: Tensor) -> List[Dict[str, object]]:
     submodules, so the layers run their ``reference`` attention core (the fast cores never
     materialise these maps); the model runs in eval mode and is left in the mode it was in.
     """
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, DCMHA)]
+    from .conversion import converted_layers   # DCMHA layers, dcvit's own or converted ones
+    layers = [(name, model.get_submodule(name)) for name in converted_layers(model)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no DCMHA layer to read attention maps from")
     records: List[Dict[str, object]] = [{"name": name} for name, _ in layers]

@@ -15,10 +15,10 @@ of docs/spec.md §1.3 and ``dcmha_layers`` (indices of the blocks that use DCMHA
 keyword arguments of ``timm.create_model``.
 """
 import inspect
-import logging
 from typing import Any, Dict, Iterable, Optional, Type
 
 import torch
+from torch import nn
 from timm.data import IMAGENET_INCEPTION_MEAN, IMAGENET_INCEPTION_STD
 from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
 from timm.models import vision_transformer as timm_vit
@@ -27,8 +27,6 @@ from timm.models.vision_transformer import VisionTransformer
 from .cli import did_you_mean
 
 __all__ = ["DCVIT_MODELS", "checkpoint_filter_fn", "create_vit_family"]
-
-_logger = logging.getLogger(__name__)
 
 
 def _cfg(**kwargs: Any) -> Dict[str, Any]:
@@ -87,36 +85,41 @@ def _dcvit(variant: str, dcmha_layers: Optional[Iterable[int]] = None,
     return model
 
 
-def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: VisionTransformer,
+def checkpoint_filter_fn(state_dict: Dict[str, torch.Tensor], model: nn.Module, source: str = "checkpoint",
                          **kwargs: Any) -> Dict[str, torch.Tensor]:
-    """Adapt a ViT or DCViT state dict to ``model``.
+    """Adapt a state dict to ``model``: the one adapter every loader runs (timm's ``filter_fn``).
 
-    timm's ViT conversions run first (pos-embed resizing, unwrapping ``model``/``state_dict``
-    keys). DCMHA tensors a plain ViT checkpoint lacks keep their initialisation (docs/spec.md §1.2)
-    and are listed in a log message. A tensor whose shape does not fit raises ``ValueError``.
+    For a ``VisionTransformer``, timm's ViT conversions run first (pos-embed resizing,
+    unwrapping ``model``/``state_dict`` keys). Then `dcvit.conversion.fit_state_dict`: the
+    DCMHA tensors a plain model's checkpoint lacks keep their initialisation (docs/spec.md
+    §1.2) and are listed in a log message. A tensor whose shape does not fit, or a missing
+    tensor that is not DCMHA's, raises ``ValueError``.
     """
-    # timm's filter drops ``pre_logits.*`` (old ViT checkpoints); the big_vision body has one.
-    pre_logits = {k: v for k, v in state_dict.items() if k.startswith("pre_logits.")} \
-        if isinstance(getattr(model, "pre_logits", None), torch.nn.Module) else {}
-    state_dict = {**timm_vit.checkpoint_filter_fn(state_dict, model, **kwargs), **pre_logits}
+    from .conversion import fit_state_dict
+    if isinstance(model, VisionTransformer):
+        # timm's filter drops ``pre_logits.*`` (old ViT checkpoints); the big_vision body has one.
+        pre_logits = {k: v for k, v in state_dict.items() if k.startswith("pre_logits.")} \
+            if isinstance(getattr(model, "pre_logits", None), nn.Module) else {}
+        state_dict = {**timm_vit.checkpoint_filter_fn(state_dict, model, **kwargs), **pre_logits}
     own = model.state_dict()
     for key, value in state_dict.items():
         if key in own and tuple(value.shape) != tuple(own[key].shape):
             raise ValueError(
                 f"checkpoint tensor {key!r} has shape {tuple(value.shape)} but the model expects "
                 f"{tuple(own[key].shape)}: the checkpoint is for a model of another size "
-                f"(model has embed_dim={model.embed_dim}, depth={len(model.blocks)})")
+                f"(model has {_sizes(model)})")
+    state_dict = fit_state_dict(model, state_dict, source)
     missing = [k for k in own if k not in state_dict]
-    not_dcmha = [k for k in missing if ".attn.dynamic_weights." not in k and ".attn.pre_compose." not in k
-                 and ".attn.post_compose." not in k]
-    if not_dcmha:
-        raise ValueError(f"checkpoint lacks {len(not_dcmha)} tensors the model needs, e.g. "
-                         f"{not_dcmha[:5]}: it is not a checkpoint of this architecture")
     if missing:
-        _logger.warning("Loaded a plain ViT checkpoint: %d DCMHA tensors keep their initialisation: %s",
-                        len(missing), ", ".join(missing))
-        state_dict = {**state_dict, **{k: own[k] for k in missing}}
+        raise ValueError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. "
+                         f"{missing[:5]}: it is not a checkpoint of this architecture")
     return state_dict
+
+
+def _sizes(model: nn.Module) -> str:
+    blocks = getattr(model, "blocks", None)
+    return (f"embed_dim={getattr(model, 'embed_dim', '?')}, depth={len(blocks)}" if blocks is not None
+            else type(model).__name__)
 
 
 def create_vit_family(variant: str, pretrained: bool = False,

@@ -33,6 +33,7 @@ from PIL import Image
 
 import timm
 import dcvit
+import dcvit.weights
 from dcvit.cli import parse_kwargs
 from dcvit.io import atomic_write
 
@@ -110,7 +111,7 @@ def resolve_model(model: Optional[str], model_kwargs: Dict[str, Any], checkpoint
     """
     name, kwargs = None, {}
     if checkpoint is not None:
-        state = dcvit.read_state_dict(checkpoint) if state is None else state
+        state = dcvit.weights.read_state_dict(checkpoint) if state is None else state
         run = read_run_config(checkpoint, state)
         name, kwargs = run.get("model"), dict(run.get("model_kwargs", {}))
         if "num_classes" in run:
@@ -138,12 +139,12 @@ def build_model(name: str, kwargs: Dict[str, Any], checkpoint: Optional[Path], e
         if not ema:
             dcvit.load_weights(model, checkpoint)
         else:
-            state = dcvit.read_state_dict(checkpoint) if state is None else state
+            state = dcvit.weights.read_state_dict(checkpoint) if state is None else state
             weights = state.get("ema")
             if not isinstance(weights, dict):
                 raise ValueError(f"{checkpoint} holds no EMA weights (its 'ema' entry is "
                                  f"{type(weights).__name__}); drop --ema")
-            model.load_state_dict(dcvit.checkpoint_filter_fn(weights, model), strict=True)
+            model.load_state_dict(dcvit.models.checkpoint_filter_fn(weights, model), strict=True)
         print(f"loaded {checkpoint}{' (EMA weights)' if ema else ''}")
     return model.eval()
 
@@ -289,7 +290,7 @@ def main(argv=None) -> int:
     try:
         if args.checkpoint is not None:
             args.checkpoint = find_checkpoint(args.checkpoint)
-        state = dcvit.read_state_dict(args.checkpoint) if args.checkpoint is not None else None
+        state = dcvit.weights.read_state_dict(args.checkpoint) if args.checkpoint is not None else None
         run = read_run_config(args.checkpoint, state) if args.checkpoint is not None else {}
         name, kwargs = resolve_model(args.model, parse_kwargs(args.model_kwargs),
                                      args.checkpoint, state)

@@ -321,4 +321,5 @@ def test_options_are_one_frozen_record():
         layer.options.rank = 3
     with pytest.raises(TypeError, match="static_proj='yes' must be True or False"):
         DCMHAOptions(static_proj="yes")
-    assert dcvit.DCMHA_OPTIONS == DCMHAOptions().as_dict()
+    from dcvit.attention import DCMHA_OPTIONS
+    assert DCMHA_OPTIONS == DCMHAOptions().as_dict()

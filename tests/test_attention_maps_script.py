@@ -12,6 +12,7 @@ import yaml
 from PIL import Image
 
 import dcvit
+import dcvit.weights
 from dcvit.cli import parse_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +224,7 @@ def test_checkpoint_of_a_converted_run(tmp_path):
             "convert": {"layers": None, "options": {}}}
     ckpt = tmp_path / "ckpt-e0001-u00000010.pth"
     torch.save({"model": model.state_dict(), "ema": None, "arch": arch}, ckpt)
-    state = dcvit.read_state_dict(ckpt)
+    state = dcvit.weights.read_state_dict(ckpt)
     run = am.read_run_config(ckpt, state)
     name, kwargs = am.resolve_model(None, {}, ckpt, state)
     rebuilt = am.build_model(name, kwargs, ckpt, state=state, convert=run["convert"])

@@ -231,7 +231,7 @@ def test_defaults_of_the_two_families():
     bv_family = timm.create_model("dcvit_small_patch16_bv_224", **SMALL).blocks[0].attn
     assert timm_family.options == DCMHAOptions()
     assert timm_family.pre_compose.static is None and isinstance(timm_family.q_norm, torch.nn.Identity)
-    assert bv_family.options == DCMHAOptions.of(**{k: v for k, v in dcvit.BV_DCMHA_OPTIONS.items()
+    assert bv_family.options == DCMHAOptions.of(**{k: v for k, v in dcvit.bigvision.BV_DCMHA_OPTIONS.items()
                                                    if k in DCMHAOptions().as_dict()})
     assert bv_family.pre_compose.static is not None and bv_family.qkv.bias is not None
 
@@ -295,6 +295,10 @@ def test_prefix_and_scan_layouts_load_the_same(tmp_path):
                               pretrained_cfg_overlay=dict(file=str(tmp_path / "scan.npz"))).eval()
     with torch.no_grad():
         np.testing.assert_allclose(model(x).numpy(), io["logits_dc"], rtol=0, atol=1e-5)
+    again = dcvit.load_weights(timm.create_model("dcvit_small_patch16_bv_224", **FIXTURE_SIZE),
+                               tmp_path / "scan.npz").eval()       # the same file through load_weights
+    with torch.no_grad():
+        assert torch.equal(again(x), model(x))
 
 
 def _load_error(tmp_path, arrays, name, **size):

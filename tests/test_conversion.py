@@ -319,3 +319,72 @@ def test_accounting_counts_the_converted_layers(family):
     assert after.params - before.params == params
     assert after.macs - before.macs == macs
     assert after.matmul_macs - before.matmul_macs == macs == matmul_after - matmul_before
+
+
+# --- each converted family against its timm original, under every flag its forward reads ---------
+
+def _as_original(layer_cls, **kwargs):
+    torch.manual_seed(0)
+    layer = layer_cls(**kwargs).double().eval()
+    with torch.no_grad():                             # every parameter, biases included, counts
+        for p in layer.parameters():
+            p.normal_(0, 0.3)
+    return layer
+
+
+def _identity_equal(layer, *args, **kwargs):
+    """The converted copy (init="identity") computes what the original does, on every core."""
+    holder = nn.ModuleList([layer])
+    want = layer(*args, **kwargs)
+    dcvit.convert(holder, init="identity")
+    assert type(holder[0]) is not type(layer)
+    for core in CORES:
+        with attention_impl(core):
+            torch.testing.assert_close(holder[0](*args, **kwargs), want, rtol=1e-10, atol=1e-10)
+
+
+EVA_FLAGS = [dict(qkv_fused=f, qkv_bias=b, qkv_bias_separate=s, scale_norm=sn, qk_norm=qn, gated=g,
+                  rotate_half=rh)
+             for f in (True, False) for b in (True, False) for s in ((False, True) if f and b else (False,))
+             for sn, qn, g, rh in ((True, False, False, False), (False, True, True, True))]
+
+
+@pytest.mark.parametrize("flags", EVA_FLAGS, ids=lambda f: "-".join(k for k, v in f.items() if v) or "plain")
+@pytest.mark.parametrize("rope,mask", [(False, False), (True, True)])
+def test_eva_attention_matches_timm_under_every_flag(flags, rope, mask):
+    from timm.models.eva import EvaAttention
+    layer = _as_original(EvaAttention, dim=32, num_heads=4, num_prefix_tokens=1,
+                         norm_layer=nn.LayerNorm, **flags)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 9, 32, dtype=torch.float64, generator=gen)
+    kw = {}
+    if rope:
+        kw["rope"] = torch.randn(8, 16, dtype=torch.float64, generator=gen)     # (N - prefix, 2 D)
+    if mask:
+        kw["attn_mask"] = torch.rand(2, 1, 9, 9, generator=gen) > 0.3
+        kw["attn_mask"][..., 0] = True
+    _identity_equal(layer, x, **kw)
+
+
+@pytest.mark.parametrize("fused,kv_heads,extra", [(True, None, {}), (False, 2, dict(qk_norm=True, gated=True)),
+                                                   (False, None, dict(scale_norm=True, rotate_half=True))])
+def test_attention_rope_matches_timm_under_every_flag(fused, kv_heads, extra):
+    from timm.layers import AttentionRope
+    layer = _as_original(AttentionRope, dim=32, num_heads=4, qkv_fused=fused, num_kv_heads=kv_heads,
+                         num_prefix_tokens=1, norm_layer=nn.LayerNorm, **extra)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 9, 32, dtype=torch.float64, generator=gen)
+    rope = torch.randn(8, 16, dtype=torch.float64, generator=gen)
+    _identity_equal(layer, x, rope=rope)
+    _identity_equal(_as_original(AttentionRope, dim=32, num_heads=4, qkv_fused=fused, num_kv_heads=kv_heads,
+                                 num_prefix_tokens=1, norm_layer=nn.LayerNorm, **extra), x, is_causal=True)
+
+
+@pytest.mark.parametrize("shifted", [False, True])
+def test_window_attention_matches_timm_with_and_without_the_shift_mask(shifted):
+    from timm.models.swin_transformer import WindowAttention
+    layer = _as_original(WindowAttention, dim=32, num_heads=4, window_size=3)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 9, 32, dtype=torch.float64, generator=gen)                # 2 images x 2 windows
+    mask = torch.where(torch.rand(2, 9, 9, generator=gen) > 0.3, 0.0, -100.0).double() if shifted else None
+    _identity_equal(layer, x, mask=mask)

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_CODE = ("dcvit.attention", "dcvit.fused", "dcvit.matrices", "dcvit.kernels",
               "dcvit.weights", "dcvit.maps", "dcvit.accounting")
@@ -35,9 +37,25 @@ def test_file_formats_and_trainer_plumbing_load_no_model_code():
 def test_import_dcvit_registers_the_models_and_resolves_names_on_use():
     loaded = loaded_after("import dcvit, timm\n"
                           "assert timm.is_model('dcvit_small') and 'DCMHA' in dir(dcvit)\n"
-                          "assert dcvit.fused.IMPLS and dcvit.DCMHA.__module__ == 'dcvit.attention'\n"
+                          "assert dcvit.DCMHA.__module__ == 'dcvit.attention' and dcvit.fused.IMPLS\n"
                           "assert callable(dcvit.compose)\n"
                           "from dcvit import compose, load_weights\n"
                           "try:\n    dcvit.no_such_name\nexcept AttributeError as e:\n"
                           "    assert 'no_such_name' in str(e)\nelse:\n    raise SystemExit(1)")
     assert {"dcvit.attention", "dcvit.fused", "dcvit.weights"} <= set(loaded)
+
+
+def test_public_names_are_the_readme_table_and_old_names_warn():
+    import warnings
+    import dcvit
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert all(f"`dcvit.{name}`" in readme for name in dcvit.__all__)
+    for name in dcvit.__all__:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            getattr(dcvit, name)
+    for name, module in dcvit._DEPRECATED.items():
+        with pytest.deprecated_call(match=f"use dcvit.{module}.{name}"):
+            getattr(dcvit, name)
+    with pytest.raises(AttributeError, match="import dcvit.nope"):
+        dcvit.nope

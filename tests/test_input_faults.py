@@ -32,7 +32,7 @@ def test_misnamed_safetensors_file_still_loads(tmp_path):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(query_wise="no"), "query_wise='no' must be True or False"),
     (dict(static_proj=1), "static_proj=1 must be True or False"),
-    (dict(dcmha_layers=1), r"dcmha_layers=1 must be a list of block indices, e.g. dcmha_layers=\[1\]"),
+    (dict(dcmha_layers=1), r"dcmha_layers=1 must be a list of attention-layer indices, e.g. dcmha_layers=\[1\]"),
 ])
 def test_dcmha_options_of_the_wrong_type(kwargs, message):
     with pytest.raises(TypeError, match=message):

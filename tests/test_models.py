@@ -8,6 +8,7 @@ from timm.layers import Attention, set_scriptable
 from timm.layers import create_feature_extractor, get_graph_node_names
 
 import dcvit
+import dcvit.weights
 from dcvit import DCMHA
 
 VARIANTS = ["dcvit_tiny_patch16_224", "dcvit_small_patch16_224", "dcvit_medium_patch16_224",
@@ -49,7 +50,7 @@ def test_parameter_counts_match_formula(name):
     base = timm.create_model(base_name)
     model = timm.create_model(name)
     assert n_params(base) == base_count
-    cfg = dcvit.DCVIT_MODELS[name]
+    cfg = dcvit.models.DCVIT_MODELS[name]
     assert n_params(model) - base_count == dcmha_overhead(cfg["embed_dim"], cfg["num_heads"])
     assert 1.01 < n_params(model) / base_count < 1.03
 
@@ -225,4 +226,4 @@ def test_checkpoint_of_another_architecture_is_explained(tmp_path):
 
 def test_missing_weights_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
-        dcvit.read_state_dict(tmp_path / "nope.safetensors")
+        dcvit.weights.read_state_dict(tmp_path / "nope.safetensors")
