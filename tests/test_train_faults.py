@@ -267,7 +267,7 @@ def test_checkpoint_is_not_silently_ignored_by_resume_auto(tmp_path, capsys):
     (["model=dcvit_tiny", "model_kwargs={img_size: 32, patch_size: 8, depth: 2, embed_dim: 24, "
       "num_heads: 2, query_wise: 'no'}"], "query_wise='no' must be True or False"),
     (["model=dcvit_tiny", "model_kwargs={img_size: 32, patch_size: 8, depth: 4, embed_dim: 24, "
-      "num_heads: 2, dcmha_layers: 3}"], "dcmha_layers=3 must be a list of block indices"),
+      "num_heads: 2, dcmha_layers: 3}"], "dcmha_layers=3 must be a list of attention-layer indices"),
     (["--eval-only", "checkpoint=/nonexistent/ckpt.pth"], "does not exist"),
 ])
 def test_user_errors_exit_2_before_any_work(tmp_path, capsys, args, message):
