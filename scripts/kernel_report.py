@@ -207,12 +207,18 @@ def compile_variant(v: Variant) -> Dict:
 
 def measure(vs: Sequence[Variant], jobs: int = 2) -> List[Dict]:
     """`compile_variant` over ``vs`` in a pool of ``jobs`` processes, in order."""
-    if jobs <= 1 or len(vs) <= 1:
+    if (jobs <= 1 or len(vs) <= 1) and not os.environ.get("TRITON_INTERPRET"):
         return [compile_variant(v) for v in vs]
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")          # no inherited torch/triton threads
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_compiling) as pool:
         return list(pool.map(compile_variant, vs))
+
+
+def _compiling() -> None:
+    """A pool process compiles for a GPU even where its parent runs Triton's interpreter
+    (the test session sets TRITON_INTERPRET=1 before Triton is imported)."""
+    os.environ.pop("TRITON_INTERPRET", None)
 
 
 def table(rows: Sequence[Dict]) -> str:
@@ -248,6 +254,172 @@ def summary(rows: Sequence[Dict]) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------ expected speed
+
+# H100 SXM published peaks: dense bf16 tensor cores, TF32 tensor cores (half of bf16), fp32
+# CUDA cores (an FMA counted as 2 FLOPs: 132 SMs x 128 lanes x 1.98 GHz x 2), the special
+# function unit's exp (16 per SM per clock, 1/8 of the FMA lanes) and HBM3 bandwidth.
+H100 = dict(name="H100 SXM", bf16=989e12, tf32=494.5e12, fp32=67e12, exp=67e12 / 16, hbm=3.35e12)
+MODELS = {"S/16": ("dcvit_small_patch16_224", "vit_small_patch16_224"),
+          "B/16": ("dcvit_base_patch16_224", "vit_base_patch16_224")}
+
+
+def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, float]:
+    """Work of one launch of ``kernel`` over B sequences of N tokens (every stage, both matrix
+    sides, no mask, every matrix gradient wanted), counted from its loops with the blocks of
+    the first `block_sizes` candidate and the padded head count: tensor-core FLOPs in the
+    operands' dtype (``bf16``: q·kᵀ, p·v and their gradients) and in TF32 (``tf32``: Compose's
+    head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
+    one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
+    once (re-reads of k, v and the matrices across a sequence's blocks are L2 hits: one
+    sequence's working set is under 1 MB)."""
+    from dcvit.kernels.triton_core import block_sizes, _padded_heads
+    c = block_sizes(H, kernel)[0]
+    hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
+    nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
+    tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
+    pairs = B * nt * ns                                 # (query block, key block) visits
+    qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
+    mix = 2 * tile * hp                                 # one side of a Compose stage, or a dM
+    compose = 2 * mix                                   # query side + key side
+    if kernel == "forward_kernel":
+        bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
+        tf32 = 2 * compose + compose                    # pre-compose in both passes, post
+        ops = (1 + 1 + 1 + 2) + (1 + 1 + 1) + 2 * 1 + 1 # scale, where, max, l update; scale, where, sub; compose adds; cast
+        exps = 2
+    elif kernel == "backward_query_kernel":
+        bf16 = 2 * (qk + qk) + qk                       # q·kᵀ, do·vᵀ in both passes; ds·k
+        tf32 = 2 * compose + 2 * compose + compose + 2 * mix   # pre both passes, post T both, pre T, dMq1, dMq2
+        ops = 2 * (1 + 1 + 1) + 2 + 3 + 5 * 1 + 1       # scale, where, sub x2; delta; ds; compose adds; cast
+        exps = 2
+    else:
+        bf16 = 4 * qk                                   # k·qᵀ, v·doᵀ, p2ᵀ·do, dsᵀ·q
+        tf32 = 4 * compose + 2 * mix                    # pre, post, post T, pre T; dMk1, dMk2
+        ops = 1 + 1 + 1 + 1 + 2 + 4 * 1 + 2             # scale, where, sub, where; ds; compose adds; casts
+        exps = 1
+    tok = B * N * H                                     # (token, head) pairs
+    # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
+    # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)
+    reads, writes = {"forward_kernel": ((3, 0, 4), (1, 1, 0)),
+                     "backward_query_kernel": ((4, 1, 4), (1, 1, 2)),
+                     "backward_key_kernel": ((4, 2, 4), (2, 0, 2))}[kernel]
+    nbytes = sum(n * size for n, size in zip(reads + writes, 2 * (tok * D * half, tok * 4, tok * H * 4)))
+    return dict(bf16=pairs * bf16, tf32=pairs * tf32, fp32=pairs * tile * ops, exp=pairs * tile * exps,
+                bytes=nbytes)
+
+
+def roofline_ms(work: Dict[str, float], gpu: Dict = H100) -> Dict[str, float]:
+    """Milliseconds per unit at the published peaks; the estimate is the slowest unit (the
+    units overlap at best: a lower bound of the kernel's time)."""
+    t = dict(tensor=1e3 * (work["bf16"] / gpu["bf16"] + work["tf32"] / gpu["tf32"]),
+             cuda=1e3 * (work["fp32"] / (gpu["fp32"] / 2) + work["exp"] / gpu["exp"]),
+             memory=1e3 * work["bytes"] / gpu["hbm"])
+    t["estimate"] = max(t.values())
+    return t
+
+
+def sdpa_work(B: int, H: int, N: int, D: int) -> Dict[str, Dict[str, float]]:
+    """FlashAttention's forward and backward (recomputing q·kᵀ): 2 and 5 products of
+    2·N²·D FLOPs per head, one exp per score each, q, k, v (o, do, dq, dk, dv) in bf16."""
+    mm = 2 * B * H * N * N * D
+    tok = B * H * N * D * 2
+    return {"forward": dict(bf16=2 * mm, tf32=0, fp32=4 * B * H * N * N, exp=B * H * N * N, bytes=4 * tok),
+            "backward": dict(bf16=5 * mm, tf32=0, fp32=6 * B * H * N * N, exp=B * H * N * N, bytes=8 * tok)}
+
+
+def estimate(batch: int = 256) -> Dict:
+    """Per model: each kernel's work and roofline time for one layer, the layers' total, and
+    the training-step ratio DCViT / ViT (SDPA) when the dense layers (same in both, plus
+    DCViT's dynamic-weight projections) run at the same tensor-core peak."""
+    import timm
+    import dcvit  # noqa: F401  (registers the DCViT models)
+    from dcvit.accounting import analytic_macs
+    out = {"gpu": H100, "batch": batch, "models": {}}
+    for label, (dc_name, vit_name) in MODELS.items():
+        dc = timm.create_model(dc_name)
+        vit = timm.create_model(vit_name)
+        H, D = dc.blocks[0].attn.num_heads, dc.embed_dim // dc.blocks[0].attn.num_heads
+        N, depth = dc.patch_embed.num_patches + dc.num_prefix_tokens, len(dc.blocks)
+        kernels = {SHORT[k]: dict(kernel_work(k, batch, H, N, D)) for k in KERNELS}
+        for w in kernels.values():
+            w.update(roofline_ms(w))
+        sdpa = sdpa_work(batch, H, N, D)
+        for w in sdpa.values():
+            w.update(roofline_ms(w))
+        dense = ("patch_embed", "qkv", "proj", "mlp", "head", "dynamic_weights")
+        macs_dc, macs_vit = analytic_macs(dc, batch), analytic_macs(vit, batch)
+        # training: forward + backward (twice the forward's products), 2 FLOPs per MAC
+        dense_ms = {name: 1e3 * 3 * 2 * sum(m[k] for k in dense) / H100["bf16"]
+                    for name, m in (("dcvit", macs_dc), ("vit", macs_vit))}
+        core_dc = depth * sum(w["estimate"] for w in kernels.values())
+        core_vit = depth * sum(w["estimate"] for w in sdpa.values())
+        step_dc, step_vit = dense_ms["dcvit"] + core_dc, dense_ms["vit"] + core_vit
+        out["models"][label] = dict(
+            dcvit=dc_name, vit=vit_name, heads=H, head_dim=D, tokens=N, depth=depth,
+            kernels=kernels, sdpa=sdpa, dense_ms=dense_ms, core_ms=dict(dcvit=core_dc, vit=core_vit),
+            step_ms=dict(dcvit=step_dc, vit=step_vit), train_ratio=step_vit / step_dc)
+    return out
+
+
+def estimate_table(est: Dict) -> str:
+    """The markdown of docs/performance.md's "Triton core on an H100: expected speed"."""
+    g = est["gpu"]
+    lines = [f"{g['name']}: {g['bf16'] / 1e12:.0f} TFLOP/s bf16 tensor, {g['tf32'] / 1e12:.0f} TF32, "
+             f"{g['fp32'] / 1e12:.0f} fp32 (FMA = 2), {g['exp'] / 1e12:.1f} T exp/s, "
+             f"{g['hbm'] / 1e12:.2f} TB/s; batch {est['batch']}, bf16, one layer", "",
+             "| model | kernel | bf16 TC GFLOP | TF32 TC GFLOP | CUDA-core GFLOP | exp G | MB | tensor ms | "
+             "CUDA-core ms | memory ms | estimate ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, m in est["models"].items():
+        rows = list(m["kernels"].items()) + [(f"SDPA {k}", w) for k, w in m["sdpa"].items()]
+        for name, w in rows:
+            lines.append(f"| {label} (H={m['heads']}) | {name} | {w['bf16'] / 1e9:.1f} | {w['tf32'] / 1e9:.1f} | "
+                         f"{w['fp32'] / 1e9:.1f} | {w['exp'] / 1e9:.2f} | {w['bytes'] / 1e6:.0f} | "
+                         f"{w['tensor']:.3f} | {w['cuda']:.3f} | {w['memory']:.3f} | {w['estimate']:.3f} |")
+    lines += ["", "| model | layers | dense layers, train step ms (DCViT / ViT) | attention cores ms "
+              "(DCViT / SDPA) | step ms (DCViT / ViT) | training ratio ViT/DCViT |", "|---|---|---|---|---|---|"]
+    for label, m in est["models"].items():
+        lines.append(f"| {label} | {m['depth']} | {m['dense_ms']['dcvit']:.1f} / {m['dense_ms']['vit']:.1f} | "
+                     f"{m['core_ms']['dcvit']:.1f} / {m['core_ms']['vit']:.1f} | "
+                     f"{m['step_ms']['dcvit']:.1f} / {m['step_ms']['vit']:.1f} | {m['train_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:
+    """On CUDA: each model's layer-shaped core timed (forward launch, backward's two launches,
+    and SDPA forward/backward on the same q, k, v), in ms, next to the estimates."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+    from dcvit.kernels import triton_core
+    out = {}
+    for label, m in est["models"].items():
+        B, H, N, D = est["batch"], m["heads"], m["tokens"], m["head_dim"]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        qkv = torch.randn(B, N, 3, H, D, device="cuda", dtype=torch.bfloat16, generator=g).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        mats = [torch.eye(H, device="cuda") + 0.1 * torch.randn(B, N, H, H, device="cuda", generator=g)
+                for _ in range(4)]
+        scale = D ** -0.5
+        o, lse = triton_core.attention_forward(q, k, v, None, *mats, scale)
+        do = torch.randn_like(o)
+        fwd = do_bench(lambda: triton_core.attention_forward(q, k, v, None, *mats, scale), rep=steps * 10)
+        bwd = do_bench(lambda: triton_core.attention_backward(do, q, k, v, None, *mats, lse, scale), rep=steps * 10)
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        y = F.scaled_dot_product_attention(qs, ks, vs)
+        gy = torch.randn_like(y)
+        s_fwd = do_bench(lambda: F.scaled_dot_product_attention(q, k, v), rep=steps * 10)
+        s_all = do_bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(qs, ks, vs), (qs, ks, vs), gy),
+                         rep=steps * 10)
+        ker = m["kernels"]
+        out[label] = {"forward": dict(estimate=ker["fwd"]["estimate"], measured=fwd),
+                      "backward": dict(estimate=ker["bwd_q"]["estimate"] + ker["bwd_k"]["estimate"], measured=bwd),
+                      "sdpa_forward": dict(estimate=m["sdpa"]["forward"]["estimate"], measured=s_fwd),
+                      "sdpa_backward": dict(estimate=m["sdpa"]["backward"]["estimate"], measured=s_all - s_fwd),
+                      "train_ratio_estimate": m["train_ratio"]}
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -264,10 +436,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--estimate", action="store_true",
                    help="print the expected H100 times of DCViT-S/16 and B/16 instead (no compiling)")
+    p.add_argument("--measure", action="store_true",
+                   help="with --estimate on a CUDA machine: time the kernels and SDPA next to the estimates")
     a = p.parse_args(argv)
     if a.estimate:
-        from kernel_estimate import main as estimate
-        return estimate()
+        est = estimate()
+        print(estimate_table(est))
+        if a.measure:
+            est["measured"] = measure_on_gpu(est)
+            print(f"\n{'model':<6} {'':<14} {'estimate ms':>11} {'measured ms':>11}")
+            for label, rows in est["measured"].items():
+                for name, r in rows.items():
+                    if isinstance(r, dict):
+                        print(f"{label:<6} {name:<14} {r['estimate']:>11.3f} {r['measured']:>11.3f}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(est, f, indent=1)
+        return 0
     if triton_module() is None:
         print("error: triton is not installed (pip install triton)", file=sys.stderr)
         return 2
