@@ -13,9 +13,9 @@ Operands: q, k, v (B, H, N, D) on any strides, float32/bfloat16/float16 (product
 dtype with float32 accumulation; float32 products in full precision, not TF32); the
 matrices are float32 (cast otherwise), and Compose's head mixing and the matrices'
 gradients run on float32 tiles: in full precision for float32 operands, on TF32 tensor
-cores for bf16/fp16 ones (a relative rounding of 2⁻¹¹, below the operands' own); ``mq`` (B|1, T|1, H, H), ``mk`` (B, S, H, H); the
-mask additive, broadcastable to (B, H, T, S). Up to `MAX_HEADS` heads, any N (keys are
-processed in blocks).
+cores for bf16/fp16 ones (a relative rounding of 2⁻¹¹, below the operands' own);
+``mq`` (B|1, T|1, H, H), ``mk`` (B, S, H, H); the mask additive, broadcastable to
+(B, H, T, S). Up to `MAX_HEADS` heads, any N (keys are processed in blocks).
 
 With ``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run on CPU
 tensors in Triton's interpreter: slow, and meant for tests on machines without a GPU.
@@ -126,7 +126,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, int]]:
+def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, Optional[int]]]:
     """Candidate blocks (BT queries, BS keys), warps, pipeline stages and register cap of
     ``kernel`` for H heads. The first is the one the interpreter runs; on a GPU Triton's
     autotuner times the candidates once per (heads, head dim, sequence lengths) and keeps the
