@@ -95,6 +95,14 @@ json.dump(info, open('$OUT/environment.json', 'w'))
 #    block size (no autotuning): each variant compiles once.
 step tests 360 env DCVIT_TRITON_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider tests/test_triton_core.py "${TESTS[@]}"
 
+# 1b. The Triton kernels and SDPA timed at DCViT-S/16's and B/16's layer shapes (batch 256,
+#     bf16), next to the roofline estimates of docs/performance.md (the dry run: estimates only).
+if [ "$DRY" = 1 ]; then
+    step kernel_times 300 "$PY" scripts/kernel_report.py --estimate --json "$OUT/kernel_times.json"
+else
+    step kernel_times 300 "$PY" scripts/kernel_report.py --estimate --measure --json "$OUT/kernel_times.json"
+fi
+
 # 2. DCViT-S/16 vs ViT-S/16 (SDPA) at batch 256, bf16, with each attention core forced.
 for core in $CORES_EAGER; do
     step "bench_S_eager_$core" 240 "$PY" -m dcvit.benchmark "${BENCH[@]}" --impl "$core" --no-compile \

@@ -4,7 +4,9 @@
 
 Reads steps.tsv (one line per step: name, pass/fail/timeout, seconds, limit, log),
 environment.json, bench_*.json (dcvit-bench), run_*/log.jsonl (train_imagenet) and
-loop_overhead.json. Figures are read against the performance targets (`dcvit.benchmark.TARGETS`:
+loop_overhead.json, and kernel_times.json (`scripts/kernel_report.py --estimate --measure`:
+each Triton kernel's and SDPA's time at the models' layer shapes, measured next to the
+roofline estimate, and the estimated training-step ratio next to the measured one). Figures are read against the performance targets (`dcvit.benchmark.TARGETS`:
 throughput ≥ 0.90× ViT, peak memory ≤ 1.20×); for each model and eager/compile the fastest
 training core is named, which is the figure the CUDA default is chosen from
 (docs/performance.md). Exit status 1 when a step failed or timed out.
@@ -81,6 +83,29 @@ def _suggestion(figures: List[Dict[str, Any]], device: str) -> Dict[str, Dict[st
     return {device: cores} if cores else {}
 
 
+def _kernel_times(out: Path, figures: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Estimated against measured: per model, each timed core (ms) and the training-step
+    ratio (the eager Triton core's bf16 figure of that model, when it was run)."""
+    data = _load(out / "kernel_times.json") or {}
+    rows = []
+    for label, model in data.get("models", {}).items():
+        measured = data.get("measured", {}).get(label, {})
+        for name in ("forward", "backward", "sdpa_forward", "sdpa_backward"):
+            est = measured.get(name, {}).get("estimate")
+            if est is None:
+                k = model["kernels"]
+                est = {"forward": k["fwd"]["estimate"], "backward": k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"],
+                       "sdpa_forward": model["sdpa"]["forward"]["estimate"],
+                       "sdpa_backward": model["sdpa"]["backward"]["estimate"]}[name]
+            rows.append({"model": label, "what": name + " ms", "estimate": est,
+                         "measured": measured.get(name, {}).get("measured")})
+        train = [f["ratio"] for f in figures if f["kind"] == "train" and f["core"] == "triton"
+                 and f["backend"] == "eager" and f["model"] == model["dcvit"]]
+        rows.append({"model": label, "what": "training ratio", "estimate": model["train_ratio"],
+                     "measured": train[0] if train else None})
+    return rows
+
+
 def _training_runs(out: Path) -> Dict[str, Any]:
     runs = {}
     for run in sorted(out.glob("run_*")):
@@ -99,6 +124,7 @@ def report(out: Path) -> Dict[str, Any]:
               "suggested_cuda_measured": _suggestion(figures, env.get("device", "?")),
               "training_runs": _training_runs(out),
               "loop_overhead": _load(out / "loop_overhead.json"), "targets": TARGETS,
+              "kernel_times": _kernel_times(out, figures),
               "passed": all(s["status"] == "pass" for s in steps)}
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2))
     print(f"\ngpu_check on {env.get('device', '?')} (torch {env.get('torch', '?')}, "
@@ -116,6 +142,11 @@ def report(out: Path) -> Dict[str, Any]:
                   f"{'yes' if f['met'] else 'no'}")
         print("\nfastest training core: " + ", ".join(f"{k}: {v}" for k, v in result["fastest_training_core"].items()))
         print(f"dcvit.fused.CUDA_MEASURED entry these figures support: {result['suggested_cuda_measured']}")
+    if result["kernel_times"]:
+        print(f"\n{'model':<7}{'Triton core vs SDPA':<22}{'estimate':>10}{'measured':>10}")
+        for r in result["kernel_times"]:
+            meas = "-" if r["measured"] is None else f"{r['measured']:.3f}"
+            print(f"{r['model']:<7}{r['what']:<22}{r['estimate']:>10.3f}{meas:>10}")
     lo = result["loop_overhead"]
     if lo:
         print(f"training loop vs bare loop: {lo['loop_ms_per_step']:.2f} vs {lo['bare_ms_per_step']:.2f} "

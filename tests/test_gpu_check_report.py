@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +34,11 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
     _bench(tmp_path / "bench_S_eager_torch.json", "torch", 0.40, 1.30)
     (tmp_path / "loop_overhead.json").write_text(json.dumps(
         {"loop_ms_per_step": 110.0, "bare_ms_per_step": 100.0, "overhead": 0.1}))
+    kernels = {k: {"estimate": e} for k, e in (("fwd", 0.07), ("bwd_q", 0.09), ("bwd_k", 0.08))}
+    (tmp_path / "kernel_times.json").write_text(json.dumps({
+        "models": {"S/16": {"dcvit": "dcvit_small_patch16_224", "train_ratio": 0.85, "kernels": kernels,
+                            "sdpa": {"forward": {"estimate": 0.05}, "backward": {"estimate": 0.09}}}},
+        "measured": {"S/16": {"forward": {"estimate": 0.07, "measured": 0.2}}}}))
     run = tmp_path / "run_eager"
     run.mkdir()
     (run / "log.jsonl").write_text(json.dumps({"epoch": 0, "train_loss": 2.3, "img_per_s": 900.0}) + "\n")
@@ -47,6 +54,11 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "bench_S_eager_torch" in out and "timeout" in out and "+10.0 %" in out
     assert result["loop_overhead"]["overhead"] == 0.1
+    times = {r["what"]: (r["estimate"], r["measured"]) for r in saved["kernel_times"]}
+    assert times["forward ms"] == (0.07, 0.2)                            # measured next to the estimate
+    assert times["backward ms"] == (pytest.approx(0.17), None)            # not timed: estimate only
+    assert times["training ratio"] == (0.85, 0.95)                        # the eager triton bench figure
+    assert "training ratio" in out
 
 
 def test_loop_overhead_runs_the_engine_loop_and_a_bare_loop(tmp_path):

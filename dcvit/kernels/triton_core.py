@@ -11,9 +11,11 @@ backward and which ``torch.compile`` keeps as one node.
 
 Operands: q, k, v (B, H, N, D) on any strides, float32/bfloat16/float16 (products in that
 dtype with float32 accumulation; float32 products in full precision, not TF32); the
-matrices are float32 (cast otherwise), ``mq`` (B|1, T|1, H, H), ``mk`` (B, S, H, H); the
-mask additive, broadcastable to (B, H, T, S). Up to `MAX_HEADS` heads, any N (keys are
-processed in blocks).
+matrices are float32 (cast otherwise), and Compose's head mixing and the matrices'
+gradients run on float32 tiles: in full precision for float32 operands, on TF32 tensor
+cores for bf16/fp16 ones (a relative rounding of 2⁻¹¹, below the operands' own);
+``mq`` (B|1, T|1, H, H), ``mk`` (B, S, H, H); the mask additive, broadcastable to
+(B, H, T, S). Up to `MAX_HEADS` heads, any N (keys are processed in blocks).
 
 With ``TRITON_INTERPRET=1`` set before triton is imported, the same kernels run on CPU
 tensors in Triton's interpreter: slow, and meant for tests on machines without a GPU.
@@ -124,15 +126,20 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def block_sizes(H: int) -> List[Dict[str, int]]:
-    """Candidate blocks (BT queries, BS keys) and warps per program. The first, 16 queries and
-    keys such that a (heads, queries, keys) float32 tile holds about 4096 values, is the one
-    the interpreter runs; on a GPU Triton's autotuner times both once per (heads, head dim,
-    sequence lengths) and keeps the faster (each candidate is one more compilation)."""
-    bs = max(16, min(128, 4096 // (_next_pow2(H) * 16)))
-    first = dict(BT=16, BS=bs, num_warps=4)
-    second = dict(BT=16, BS=min(128, 2 * bs), num_warps=8)
-    return [first] if second == first else [first, second]
+def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, Optional[int]]]:
+    """Candidate blocks (BT queries, BS keys), warps, pipeline stages and register cap of
+    ``kernel`` for H heads. The first is the one the interpreter runs; on a GPU Triton's
+    autotuner times the candidates once per (heads, head dim, sequence lengths) and keeps the
+    fastest (each one more compilation). Each candidate is one that
+    ``scripts/kernel_report.py`` measured (tests/test_kernel_resources.py): a program holds
+    its rows of all heads, so one pipeline stage (a second would double the tiles in shared
+    memory), 8 warps, and with 16 padded heads 8 rows per program in the backward kernels
+    (the key kernel's keys, the query kernel's queries)."""
+    if _padded_heads(H) <= 8 or kernel == "forward_kernel":
+        return [dict(BT=16, BS=16, num_warps=8, num_stages=1, maxnreg=None)]
+    if kernel == "backward_key_kernel":
+        return [dict(BT=16, BS=8, num_warps=8, num_stages=1, maxnreg=255)]
+    return [dict(BT=8, BS=16, num_warps=8, num_stages=1, maxnreg=None)]
 
 
 _tuned: Dict[Tuple[str, int], object] = {}
@@ -145,13 +152,13 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
     sets ``DCVIT_TRITON_AUTOTUNE=0`` (tests: one compilation per kernel variant)."""
     kernel = getattr(_kernels(device), name)
     if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
-        c = block_sizes(H)[0]
+        c = block_sizes(H, name)[0]
         kernel[(triton.cdiv(rows, c[block]), B)](*args, BT=c["BT"], BS=c["BS"], **kwargs)
         return
     key = (name, H)
     if key not in _tuned:
-        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"]}, num_warps=c["num_warps"])
-                   for c in block_sizes(H)]
+        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"]}, num_warps=c["num_warps"],
+                                 num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name)]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
     _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B)](*args, **kwargs)
 
@@ -188,12 +195,20 @@ def _mask_args(mask: Optional[Tensor], dummy: Tensor) -> List:
 
 def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) -> Dict:
     """The kernels' compile-time arguments but the blocks: heads and head dim, padded to
-    powers of two, and which operands are present."""
+    powers of two, which operands are present, and the precision of the q/k/v products
+    (PRECISION) and of Compose's head mixing (MIX)."""
     mq1, mk1, mq2, mk2 = mats
     H, D = q.shape[1], q.shape[3]
-    return dict(H=H, D=D, HP=_next_pow2(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
+    return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
-                HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype))
+                HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype),
+                MIX="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _padded_heads(H: int) -> int:
+    """The kernels' head axis: a power of two, at least 8 (a float32 `tl.dot` over heads,
+    Compose's, needs 8)."""
+    return max(8, _next_pow2(H))
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -218,18 +233,15 @@ def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
 
 def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                       mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                      mk2: Optional[Tensor], scale: float,
-                      stats_only: bool = False) -> Tuple[Optional[Tensor], Tensor]:
-    """The core's forward: (output (B, T, H, D), row log-sum-exp (B, H, T) float32); with
-    ``stats_only`` (None, log-sum-exp): the first pass alone, for a backward whose caller did
-    not keep the statistics."""
+                      mk2: Optional[Tensor], scale: float) -> Tuple[Tensor, Tensor]:
+    """The core's forward: (output (B, T, H, D), row log-sum-exp (B, H, T) float32)."""
     _check(q, k, v)
     B, H, T, D = q.shape
     S = k.shape[2]
     mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2))
     if mask is not None:
         mask = mask.expand(B, H, T, S)
-    out = v.new_empty(B, T, H, D) if not stats_only else v.new_empty(1, 1, 1, 1)
+    out = v.new_empty(B, T, H, D)
     lse = q.new_empty(B, H, T, dtype=torch.float32)
     o = out.transpose(1, 2)                                                  # (B, H, T, D) view
     mask_args = _mask_args(mask, lse)
@@ -237,21 +249,22 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     _launch("forward_kernel", q.device, H, T, "BT", B, (
         q, k, v, o, lse, mask_args[0], *(lse if m is None else m for m in mats),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *mask_args[1:],
-        *_matrix_strides(mats), T, S, float(scale)), dict(_flags(q, mask, mats), STATS_ONLY=stats_only))
-    return (None if stats_only else out), lse
+        *_matrix_strides(mats), T, S, float(scale)), _flags(q, mask, mats))
+    return out, lse
 
 
 def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
                        mq1: Optional[Tensor], mk1: Optional[Tensor], mq2: Optional[Tensor],
-                       mk2: Optional[Tensor], lse: Optional[Tensor], scale: float,
+                       mk2: Optional[Tensor], lse: Tensor, scale: float,
                        want: Sequence[bool] = (True, True, True, True)) -> List[Optional[Tensor]]:
     """Gradients for q, k, v, mq1, mk1, mq2, mk2 from the output's gradient ``grad``
-    (B, T, H, D) and the forward's ``lse`` (None: recomputed, one more launch); ``want``
+    (B, T, H, D) and the statistics ``lse`` that `attention_forward` returned; ``want``
     skips matrix gradients nobody needs (None). Matrix gradients come back per token,
     (B, T, H, H) / (B, S, H, H) float32, whatever the matrices' broadcast shapes (the
     dispatcher sums them down)."""
     if lse is None:
-        _, lse = attention_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale, stats_only=True)
+        raise ValueError("the Triton attention core's backward needs the forward's statistics "
+                         "(lse); run attention_forward and pass its second result")
     B, H, T, D = q.shape
     S = k.shape[2]
     mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2))

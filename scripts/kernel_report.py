@@ -1,0 +1,510 @@
+"""Resources of the Triton attention kernels, measured ahead of time without a GPU.
+
+Every kernel variant that `dcvit.kernels.triton_core` can launch (kernel, heads, head dim,
+dtype, mask, which Compose stages and matrix sides are present, every `block_sizes`
+candidate) is compiled by Triton for a GPU target (sm_80 A100, sm_90 H100, sm_100 B200
+where the installed Triton knows it) and its PTX assembled by ``ptxas -v``, the assembler
+in Triton's wheel. Per variant: registers per thread, spill store/load bytes per thread,
+shared memory per block (Triton's, allocated dynamically), and the static count of
+tensor-core instructions (``mma``/``wgmma``/``tcgen05.mma`` in the PTX) and of fp32 FMAs
+(``fma.rn.f32``). A spill means a loop's working set goes through local memory; a block
+above the GPU's shared memory per block cannot launch at all.
+
+The kernels' arguments are the ones ``attention_forward``/``attention_backward`` pass (the
+launch is captured, not run), for q, k, v as views of one (B, N, 3, H, D) qkv projection
+and N = 197 tokens, so Triton's own specialisation (strides of 1 as constants, 16-byte
+alignment) is what a real launch gets.
+
+    python scripts/kernel_report.py --quick                 # the resource test's variants
+    python scripts/kernel_report.py --heads 6 12 --targets sm90 --json out.json
+    python scripts/kernel_report.py --estimate              # expected H100 time (docs/performance.md)
+
+Needs only the triton wheel (and torch); runs on CPU, compiling in a pool of 2 processes.
+"""
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import Dict, Iterable, List, Optional, Sequence
+
+KERNELS = ("forward_kernel", "backward_query_kernel", "backward_key_kernel")
+SHORT = {"forward_kernel": "fwd", "backward_query_kernel": "bwd_q", "backward_key_kernel": "bwd_k"}
+DTYPES = ("bf16", "fp16", "fp32")
+# A Compose stage: absent, query-side matrices only, or both sides.
+STAGES = ("", "q", "qk")
+N_TOKENS = 197
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}   # opt-in bytes per block
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One compiled kernel: what the dispatcher would launch for these operands."""
+    kernel: str
+    arch: int
+    H: int
+    D: int
+    dtype: str
+    mask: bool
+    pre: str
+    post: str
+    BT: int
+    BS: int
+    num_warps: int
+    num_stages: int = 3
+    maxnreg: int = 0
+
+    @property
+    def name(self) -> str:
+        flags = f"pre={self.pre or '-'},post={self.post or '-'}{',mask' if self.mask else ''}"
+        return (f"{SHORT[self.kernel]} sm{self.arch} H={self.H} D={self.D} {self.dtype} {flags} "
+                f"BT={self.BT} BS={self.BS} w={self.num_warps} st={self.num_stages}")
+
+
+def triton_module():
+    """triton, or None when it is missing."""
+    try:
+        import triton
+        return triton
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def ptxas(arch: int) -> Optional[str]:
+    """Path of the ptxas Triton uses for ``arch`` (its wheel's, or TRITON_PTXAS_PATH), or None."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(arch).path
+    except Exception:  # noqa: BLE001
+        return None
+    return path if path and os.path.exists(path) else None
+
+
+def known_archs() -> List[int]:
+    """The targets the installed Triton compiles for: 80 and 90, and 100 with a Blackwell ptxas."""
+    return [a for a in (80, 90, 100) if ptxas(a)]
+
+
+def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 64),
+             dtypes: Iterable[str] = DTYPES, archs: Iterable[int] = (80, 90),
+             masks: Iterable[bool] = (False, True), stages: Optional[Sequence] = None,
+             kernels: Iterable[str] = KERNELS) -> List[Variant]:
+    """Every combination, times every `block_sizes` candidate of its head count. ``stages``:
+    (pre, post) pairs from `STAGES`, default all nine."""
+    from dcvit.kernels.triton_core import block_sizes
+    stages = list(stages) if stages is not None else list(itertools.product(STAGES, STAGES))
+    out = []
+    for kernel, arch, H, D, dtype, mask, (pre, post) in itertools.product(
+            kernels, archs, heads, dims, dtypes, masks, stages):
+        for c in block_sizes(H, kernel):
+            out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
+                               c.get("num_stages", 3), c.get("maxnreg") or 0))
+    return out
+
+
+@contextlib.contextmanager
+def _captured_launches():
+    """Run `triton_core` on CPU tensors with its launches recorded instead of run, as on a GPU
+    (not the interpreter's precision)."""
+    from dcvit.kernels import triton_core
+    seen: Dict[str, tuple] = {}
+    saved = triton_core._launch, triton_core.interpreted
+    triton_core._launch = lambda name, device, H, rows, block, B, args, kwargs: seen.__setitem__(name, (args, kwargs))
+    triton_core.interpreted = lambda: False
+    try:
+        yield seen
+    finally:
+        triton_core._launch, triton_core.interpreted = saved
+
+
+def launch_arguments(v: Variant):
+    """(positional arguments, compile-time keyword arguments) of the kernel ``v.kernel`` as
+    `triton_core` launches it for a (1, N_TOKENS) problem of v's kind."""
+    import torch
+    from dcvit.kernels import triton_core
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[v.dtype]
+    B, H, N, D = 1, v.H, N_TOKENS, v.D
+    qkv = torch.zeros(B, N, 3, H, D, dtype=dtype).permute(2, 0, 3, 1, 4)
+    q, k, w = qkv.unbind(0)
+    mats = []
+    for stage in (v.pre, v.post):
+        mats += [torch.zeros(B, N, H, H) if stage else None, torch.zeros(B, N, H, H) if stage == "qk" else None]
+    mask = torch.zeros(N, N) if v.mask else None
+    with _captured_launches() as seen:
+        if v.kernel == "forward_kernel":
+            triton_core.attention_forward(q, k, w, mask, *mats, D ** -0.5)
+        else:
+            lse = torch.zeros(B, H, N)
+            triton_core.attention_backward(torch.zeros(B, N, H, D, dtype=dtype), q, k, w, mask, *mats,
+                                           lse, D ** -0.5)
+    return seen[v.kernel]
+
+
+def _ptxas_figures(text: str) -> Dict[str, int]:
+    """Registers, spill store/load bytes and static shared memory from ``ptxas -v``'s log."""
+    def grab(pattern):
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+    return dict(registers=grab(r"Used (\d+) registers"),
+                spill_stores=grab(r"(\d+) bytes spill stores"),
+                spill_loads=grab(r"(\d+) bytes spill loads"),
+                stack=grab(r"(\d+) bytes stack frame"),
+                static_smem=grab(r"(\d+) bytes smem"))
+
+
+def compile_variant(v: Variant) -> Dict:
+    """Compile ``v`` for its target and measure it: a row of the report (``error`` set when
+    Triton or ptxas rejects it)."""
+    import triton
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from dcvit.kernels import triton_attention
+    row = dict(dataclasses.asdict(v), name=v.name)
+    fn = getattr(triton_attention, v.kernel)
+    args, kwargs = launch_arguments(v)
+    kwargs = dict(kwargs, BT=v.BT, BS=v.BS)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, arg_name in enumerate(fn.arg_names):
+        if arg_name in kwargs:
+            signature[arg_name], constexprs[arg_name] = "constexpr", kwargs[arg_name]
+            continue
+        kind, spec = native_specialize_impl(CUDABackend, args[i], False, True, True)
+        signature[arg_name] = kind
+        if kind == "constexpr":
+            constexprs[arg_name] = spec
+        elif spec:
+            attrs[(i,)] = CUDABackend.parse_attr(spec)
+    try:
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
+        if v.maxnreg:
+            options["maxnreg"] = v.maxnreg
+        compiled = triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=options)
+        ptx = compiled.asm["ptx"]
+        gpu = f"sm_{v.arch}a" if v.arch >= 90 else f"sm_{v.arch}"
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "k.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            log = subprocess.run([ptxas(v.arch), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True, check=True).stderr
+    except Exception as e:  # noqa: BLE001  (out of resources, compiler errors: a figure too)
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+        return row
+    row.update(_ptxas_figures(log))
+    row["shared"] = int(compiled.metadata.shared) + row.pop("static_smem")
+    row["tensor_core"] = len(re.findall(r"^\s*(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\b", ptx, re.M))
+    row["fma_f32"] = len(re.findall(r"^\s*fma\.rn(?:\.ftz)?\.f32\b", ptx, re.M))
+    return row
+
+
+def measure(vs: Sequence[Variant], jobs: int = 2) -> List[Dict]:
+    """`compile_variant` over ``vs`` in a pool of ``jobs`` processes, in order."""
+    if (jobs <= 1 or len(vs) <= 1) and not os.environ.get("TRITON_INTERPRET"):
+        return [compile_variant(v) for v in vs]
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")          # no inherited torch/triton threads
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_compiling) as pool:
+        return list(pool.map(compile_variant, vs))
+
+
+def _compiling() -> None:
+    """A pool process compiles for a GPU even where its parent runs Triton's interpreter
+    (the test session sets TRITON_INTERPRET=1 before Triton is imported)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+
+
+def table(rows: Sequence[Dict]) -> str:
+    """One line per variant."""
+    head = f"{'variant':<84} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'smem KiB':>8} {'mma':>5} {'fma':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['name']:<84} error: {r['error']}")
+        else:
+            lines.append(f"{r['name']:<84} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
+                         f"{r['shared'] / 1024:>8.1f} {r['tensor_core']:>5} {r['fma_f32']:>6}")
+    return "\n".join(lines)
+
+
+def summary(rows: Sequence[Dict]) -> str:
+    """Per (target, heads, kernel): ranges of spill stores, registers and shared memory over
+    the variants (the markdown table of docs/performance.md)."""
+    groups: Dict[tuple, List[Dict]] = {}
+    for r in rows:
+        groups.setdefault((r["arch"], r["H"], r["kernel"]), []).append(r)
+
+    def span(vals, fmt="{:d}"):
+        lo, hi = min(vals), max(vals)
+        return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}–{fmt.format(hi)}"
+    lines = ["| target | heads | kernel | variants | spill stores (B) | registers | shared (KiB) | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (arch, H, kernel), rs in sorted(groups.items()):
+        ok = [r for r in rs if "error" not in r]
+        cells = [span([r["spill_stores"] for r in ok]), span([r["registers"] for r in ok]),
+                 span([r["shared"] / 1024 for r in ok], "{:.0f}")] if ok else ["-", "-", "-"]
+        lines.append(f"| sm_{arch} | {H} | {SHORT[kernel]} | {len(rs)} | {' | '.join(cells)} | {len(rs) - len(ok)} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ expected speed
+
+# H100 SXM published peaks: dense bf16 tensor cores, TF32 tensor cores (half of bf16), fp32
+# CUDA cores (an FMA counted as 2 FLOPs: 132 SMs x 128 lanes x 1.98 GHz x 2), the special
+# function unit's exp (16 per SM per clock, 1/8 of the FMA lanes) and HBM3 bandwidth.
+H100 = dict(name="H100 SXM", bf16=989e12, tf32=494.5e12, fp32=67e12, exp=67e12 / 16, hbm=3.35e12)
+MODELS = {"S/16": ("dcvit_small_patch16_224", "vit_small_patch16_224"),
+          "B/16": ("dcvit_base_patch16_224", "vit_base_patch16_224")}
+
+
+def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, float]:
+    """Work of one launch of ``kernel`` over B sequences of N tokens (every stage, both matrix
+    sides, no mask, every matrix gradient wanted), counted from its loops with the blocks of
+    the first `block_sizes` candidate and the padded head count: tensor-core FLOPs in the
+    operands' dtype (``bf16``: q·kᵀ, p·v and their gradients) and in TF32 (``tf32``: Compose's
+    head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
+    one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
+    once (re-reads of k, v and the matrices across a sequence's blocks are L2 hits: one
+    sequence's working set is under 1 MB)."""
+    from dcvit.kernels.triton_core import block_sizes, _padded_heads
+    c = block_sizes(H, kernel)[0]
+    hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
+    nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
+    tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
+    pairs = B * nt * ns                                 # (query block, key block) visits
+    qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
+    mix = 2 * tile * hp                                 # one side of a Compose stage, or a dM
+    compose = 2 * mix                                   # query side + key side
+    if kernel == "forward_kernel":
+        bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
+        tf32 = 2 * compose + compose                    # pre-compose in both passes, post
+        ops = (1 + 1 + 1 + 2) + (1 + 1 + 1) + 2 * 1 + 1 # scale, where, max, l update; scale, where, sub; compose adds; cast
+        exps = 2
+    elif kernel == "backward_query_kernel":
+        bf16 = 2 * (qk + qk) + qk                       # q·kᵀ, do·vᵀ in both passes; ds·k
+        tf32 = 2 * compose + 2 * compose + compose + 2 * mix   # pre both passes, post T both, pre T, dMq1, dMq2
+        ops = 2 * (1 + 1 + 1) + 2 + 3 + 5 * 1 + 1       # scale, where, sub x2; delta; ds; compose adds; cast
+        exps = 2
+    else:
+        bf16 = 4 * qk                                   # k·qᵀ, v·doᵀ, p2ᵀ·do, dsᵀ·q
+        tf32 = 4 * compose + 2 * mix                    # pre, post, post T, pre T; dMk1, dMk2
+        ops = 1 + 1 + 1 + 1 + 2 + 4 * 1 + 2             # scale, where, sub, where; ds; compose adds; casts
+        exps = 1
+    tok = B * N * H                                     # (token, head) pairs
+    # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
+    # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)
+    reads, writes = {"forward_kernel": ((3, 0, 4), (1, 1, 0)),
+                     "backward_query_kernel": ((4, 1, 4), (1, 1, 2)),
+                     "backward_key_kernel": ((4, 2, 4), (2, 0, 2))}[kernel]
+    nbytes = sum(n * size for n, size in zip(reads + writes, 2 * (tok * D * half, tok * 4, tok * H * 4)))
+    return dict(bf16=pairs * bf16, tf32=pairs * tf32, fp32=pairs * tile * ops, exp=pairs * tile * exps,
+                bytes=nbytes)
+
+
+def roofline_ms(work: Dict[str, float], gpu: Dict = H100) -> Dict[str, float]:
+    """Milliseconds per unit at the published peaks; the estimate is the slowest unit (the
+    units overlap at best: a lower bound of the kernel's time)."""
+    t = dict(tensor=1e3 * (work["bf16"] / gpu["bf16"] + work["tf32"] / gpu["tf32"]),
+             cuda=1e3 * (work["fp32"] / (gpu["fp32"] / 2) + work["exp"] / gpu["exp"]),
+             memory=1e3 * work["bytes"] / gpu["hbm"])
+    t["estimate"] = max(t.values())
+    return t
+
+
+def sdpa_work(B: int, H: int, N: int, D: int) -> Dict[str, Dict[str, float]]:
+    """FlashAttention's forward and backward (recomputing q·kᵀ): 2 and 5 products of
+    2·N²·D FLOPs per head, one exp per score each, q, k, v (o, do, dq, dk, dv) in bf16."""
+    mm = 2 * B * H * N * N * D
+    tok = B * H * N * D * 2
+    return {"forward": dict(bf16=2 * mm, tf32=0, fp32=4 * B * H * N * N, exp=B * H * N * N, bytes=4 * tok),
+            "backward": dict(bf16=5 * mm, tf32=0, fp32=6 * B * H * N * N, exp=B * H * N * N, bytes=8 * tok)}
+
+
+def estimate(batch: int = 256) -> Dict:
+    """Per model: each kernel's work and roofline time for one layer, the layers' total, and
+    the training-step ratio DCViT / ViT (SDPA) when the dense layers (same in both, plus
+    DCViT's dynamic-weight projections) run at the same tensor-core peak."""
+    import timm
+    import dcvit  # noqa: F401  (registers the DCViT models)
+    from dcvit.accounting import analytic_macs
+    out = {"gpu": H100, "batch": batch, "models": {}}
+    for label, (dc_name, vit_name) in MODELS.items():
+        dc = timm.create_model(dc_name)
+        vit = timm.create_model(vit_name)
+        H, D = dc.blocks[0].attn.num_heads, dc.embed_dim // dc.blocks[0].attn.num_heads
+        N, depth = dc.patch_embed.num_patches + dc.num_prefix_tokens, len(dc.blocks)
+        kernels = {SHORT[k]: dict(kernel_work(k, batch, H, N, D)) for k in KERNELS}
+        for w in kernels.values():
+            w.update(roofline_ms(w))
+        sdpa = sdpa_work(batch, H, N, D)
+        for w in sdpa.values():
+            w.update(roofline_ms(w))
+        dense = ("patch_embed", "qkv", "proj", "mlp", "head", "dynamic_weights")
+        macs_dc, macs_vit = analytic_macs(dc, batch), analytic_macs(vit, batch)
+        # training: forward + backward (twice the forward's products), 2 FLOPs per MAC
+        dense_ms = {name: 1e3 * 3 * 2 * sum(m[k] for k in dense) / H100["bf16"]
+                    for name, m in (("dcvit", macs_dc), ("vit", macs_vit))}
+        core_dc = depth * sum(w["estimate"] for w in kernels.values())
+        core_vit = depth * sum(w["estimate"] for w in sdpa.values())
+        step_dc, step_vit = dense_ms["dcvit"] + core_dc, dense_ms["vit"] + core_vit
+        out["models"][label] = dict(
+            dcvit=dc_name, vit=vit_name, heads=H, head_dim=D, tokens=N, depth=depth,
+            kernels=kernels, sdpa=sdpa, dense_ms=dense_ms, core_ms=dict(dcvit=core_dc, vit=core_vit),
+            step_ms=dict(dcvit=step_dc, vit=step_vit), train_ratio=step_vit / step_dc)
+    return out
+
+
+def estimate_table(est: Dict) -> str:
+    """The markdown of docs/performance.md's "Triton core on an H100: expected speed"."""
+    g = est["gpu"]
+    lines = [f"{g['name']}: {g['bf16'] / 1e12:.0f} TFLOP/s bf16 tensor, {g['tf32'] / 1e12:.0f} TF32, "
+             f"{g['fp32'] / 1e12:.0f} fp32 (FMA = 2), {g['exp'] / 1e12:.1f} T exp/s, "
+             f"{g['hbm'] / 1e12:.2f} TB/s; batch {est['batch']}, bf16, one layer", "",
+             "| model | kernel | bf16 TC GFLOP | TF32 TC GFLOP | CUDA-core GFLOP | exp G | MB | tensor ms | "
+             "CUDA-core ms | memory ms | estimate ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, m in est["models"].items():
+        rows = list(m["kernels"].items()) + [(f"SDPA {k}", w) for k, w in m["sdpa"].items()]
+        for name, w in rows:
+            lines.append(f"| {label} (H={m['heads']}) | {name} | {w['bf16'] / 1e9:.1f} | {w['tf32'] / 1e9:.1f} | "
+                         f"{w['fp32'] / 1e9:.1f} | {w['exp'] / 1e9:.2f} | {w['bytes'] / 1e6:.0f} | "
+                         f"{w['tensor']:.3f} | {w['cuda']:.3f} | {w['memory']:.3f} | {w['estimate']:.3f} |")
+    lines += ["", "| model | layers | dense layers, train step ms (DCViT / ViT) | attention cores ms "
+              "(DCViT / SDPA) | step ms (DCViT / ViT) | training ratio ViT/DCViT |", "|---|---|---|---|---|---|"]
+    for label, m in est["models"].items():
+        lines.append(f"| {label} | {m['depth']} | {m['dense_ms']['dcvit']:.1f} / {m['dense_ms']['vit']:.1f} | "
+                     f"{m['core_ms']['dcvit']:.1f} / {m['core_ms']['vit']:.1f} | "
+                     f"{m['step_ms']['dcvit']:.1f} / {m['step_ms']['vit']:.1f} | {m['train_ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:
+    """On CUDA: each model's layer-shaped core timed (forward launch, backward's two launches,
+    and SDPA forward/backward on the same q, k, v), in ms, next to the estimates."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+    from dcvit.kernels import triton_core
+    out = {}
+    for label, m in est["models"].items():
+        B, H, N, D = est["batch"], m["heads"], m["tokens"], m["head_dim"]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        qkv = torch.randn(B, N, 3, H, D, device="cuda", dtype=torch.bfloat16, generator=g).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        mats = [torch.eye(H, device="cuda") + 0.1 * torch.randn(B, N, H, H, device="cuda", generator=g)
+                for _ in range(4)]
+        scale = D ** -0.5
+        o, lse = triton_core.attention_forward(q, k, v, None, *mats, scale)
+        do = torch.randn_like(o)
+        fwd = do_bench(lambda: triton_core.attention_forward(q, k, v, None, *mats, scale), rep=steps * 10)
+        bwd = do_bench(lambda: triton_core.attention_backward(do, q, k, v, None, *mats, lse, scale), rep=steps * 10)
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        y = F.scaled_dot_product_attention(qs, ks, vs)
+        gy = torch.randn_like(y)
+        s_fwd = do_bench(lambda: F.scaled_dot_product_attention(q, k, v), rep=steps * 10)
+        s_all = do_bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(qs, ks, vs), (qs, ks, vs), gy),
+                         rep=steps * 10)
+        ker = m["kernels"]
+        out[label] = {"forward": dict(estimate=ker["fwd"]["estimate"], measured=fwd),
+                      "backward": dict(estimate=ker["bwd_q"]["estimate"] + ker["bwd_k"]["estimate"], measured=bwd),
+                      "sdpa_forward": dict(estimate=m["sdpa"]["forward"]["estimate"], measured=s_fwd),
+                      "sdpa_backward": dict(estimate=m["sdpa"]["backward"]["estimate"], measured=s_all - s_fwd),
+                      "train_ratio_estimate": m["train_ratio"]}
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", type=int, nargs="+", default=[3, 6, 12, 16])
+    p.add_argument("--dims", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--targets", nargs="+", default=None, metavar="smXX",
+                   help="sm80 sm90 sm100 (default: every one the installed Triton knows)")
+    p.add_argument("--kernels", nargs="+", default=list(SHORT.values()), choices=list(SHORT.values()))
+    p.add_argument("--mask", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--quick", action="store_true",
+                   help="the resource test's variants: D=64, bf16, sm80+sm90, mask, pre+post with both sides")
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the expected H100 times of DCViT-S/16 and B/16 instead (no compiling)")
+    p.add_argument("--measure", action="store_true",
+                   help="with --estimate on a CUDA machine: time the kernels and SDPA next to the estimates")
+    a = p.parse_args(argv)
+    if a.estimate:
+        est = estimate()
+        print(estimate_table(est))
+        if a.measure:
+            est["measured"] = measure_on_gpu(est)
+            print(f"\n{'model':<6} {'':<14} {'estimate ms':>11} {'measured ms':>11}")
+            for label, rows in est["measured"].items():
+                for name, r in rows.items():
+                    if isinstance(r, dict):
+                        print(f"{label:<6} {name:<14} {r['estimate']:>11.3f} {r['measured']:>11.3f}")
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(est, f, indent=1)
+        return 0
+    if triton_module() is None:
+        print("error: triton is not installed (pip install triton)", file=sys.stderr)
+        return 2
+    archs = known_archs()
+    if not archs:
+        print("error: Triton's ptxas was not found (its wheel bundles one; or set TRITON_PTXAS_PATH)",
+              file=sys.stderr)
+        return 2
+    if a.targets:
+        try:
+            want = [int(t.lower().removeprefix("sm_").removeprefix("sm")) for t in a.targets]
+        except ValueError:
+            print(f"error: --targets takes sm80 sm90 sm100, got {a.targets}", file=sys.stderr)
+            return 2
+        missing = [t for t in want if t not in archs]
+        if missing:
+            print(f"error: no ptxas for sm_{missing[0]} in this Triton (known: {archs})", file=sys.stderr)
+            return 2
+        archs = want
+    bad = [h for h in a.heads if not 1 <= h <= 16]
+    if bad:
+        print(f"error: the kernels take 1 to 16 heads, got {bad[0]}", file=sys.stderr)
+        return 2
+    kernels = [k for k in KERNELS if SHORT[k] in a.kernels]
+    masks = {"both": (False, True), "yes": (True,), "no": (False,)}[a.mask]
+    if a.quick:
+        vs = variants(a.heads, (64,), ("bf16",), [x for x in archs if x in (80, 90)], (True,),
+                      [("qk", "qk")], kernels)
+    else:
+        vs = variants(a.heads, a.dims, a.dtypes, archs, masks, None, kernels)
+    for arch in archs:
+        print(f"ptxas for sm_{arch}: {ptxas(arch)} ({_ptxas_version(arch)})")
+    print(f"compiling {len(vs)} variants with {a.jobs} processes ...", flush=True)
+    rows = measure(vs, a.jobs)
+    print(table(rows))
+    print()
+    print(summary(rows))
+    if a.json:
+        import triton
+        with open(a.json, "w") as f:
+            json.dump(dict(triton=triton.__version__, ptxas={a_: ptxas(a_) for a_ in archs},
+                           n_tokens=N_TOKENS, rows=rows), f, indent=1)
+        print(f"wrote {a.json}")
+    return 0
+
+
+def _ptxas_version(arch: int) -> str:
+    out = subprocess.run([ptxas(arch), "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release ([\d.]+)", out)
+    return f"CUDA {m.group(1)}" if m else "version unknown"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.exit(main())
