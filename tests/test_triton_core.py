@@ -356,7 +356,7 @@ def test_self_check_failure_warns_once_and_declines(monkeypatch, failure):
     monkeypatch.setattr(triton_core, "_checked", {})
     monkeypatch.setattr(triton_core, "_self_check", check)
     q = torch.zeros(1, 3, 4, 8, device=DEVICE)
-    with pytest.warns(RuntimeWarning, match="using the 'torch' core"):
+    with pytest.warns(RuntimeWarning, match="using the 'compile' core"):
         assert not triton_core.works_on(q)
     import warnings
     with warnings.catch_warnings():

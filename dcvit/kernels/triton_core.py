@@ -56,7 +56,7 @@ def _kernels(device: torch.device) -> ModuleType:
     """The kernel module, checked against the operands' device."""
     if triton is None:
         raise RuntimeError("the 'triton' attention core needs the triton package; install it "
-                           "or force another core (dcvit.fused.attention_impl('torch'))")
+                           "or force another core (dcvit.fused.attention_impl('compile'))")
     if device.type == "cpu" and not interpreted():
         raise RuntimeError("the 'triton' attention core runs on CUDA tensors; on CPU only under "
                            "Triton's interpreter (TRITON_INTERPRET=1 set before importing triton)")
@@ -88,7 +88,7 @@ def works_on(q: Tensor) -> bool:
             reason = f"{type(e).__name__}: {str(e)[:300]}"
         if reason:
             warnings.warn(f"DCMHA: the Triton attention core is not used on {q.device} for "
-                          f"{H} heads of {D} dims in {q.dtype} ({reason}); using the 'torch' core",
+                          f"{H} heads of {D} dims in {q.dtype} ({reason}); using the 'compile' core",
                           RuntimeWarning, stacklevel=2)
         _checked[key] = not reason
     return _checked[key]
@@ -167,10 +167,10 @@ def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
     B, H, T, D = q.shape
     if H > MAX_HEADS:
         raise ValueError(f"the Triton attention core takes up to {MAX_HEADS} heads, got {H}; "
-                         "force the 'torch' core for more")
+                         "force the 'compile' core for more")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"the Triton attention core takes float32/bfloat16/float16, got {q.dtype}; "
-                         "use the 'torch' core for float64")
+                         "use the 'compile' core for float64")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != (B, H, k.shape[2], D) or v.shape != k.shape:
