@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--skip-torchrun", action="store_true")
     a = ap.parse_args()
     repo = os.path.abspath(a.repo)
-    from train_helpers import digits, write_shards
+    from train_helpers import digits, torchrun_workers, write_shards
     tmp = tempfile.mkdtemp(prefix="fault_cases_trainer_")
     x, y = digits(149)
     data, small = os.path.join(tmp, "data"), os.path.join(tmp, "small")
@@ -178,7 +178,7 @@ def main():
             time.sleep(0.5)
         ranks = {}
         while 1 not in ranks and p.poll() is None:
-            ranks = workers(p.pid)
+            ranks = torchrun_workers(p.pid)
         os.kill(ranks[1], signal.SIGSTOP)
         t0 = time.time()
         try:
@@ -205,22 +205,6 @@ def main():
         report("4 SIGSTOP on rank 1 of 2 (torchrun, gloo)", p.returncode,
                f"{what}; checkpoints that load: {intact}")
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def workers(agent_pid):
-    """{rank: pid} of torchrun's workers (children of the agent, each in its own session)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if ppid == agent_pid and b"RANK" in env:
-            found[int(env[b"RANK"])] = int(pid)
-    return found
 
 
 if __name__ == "__main__":

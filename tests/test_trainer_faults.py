@@ -25,6 +25,7 @@ from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_ch
 from train_imagenet.data import DataError
 from train_imagenet.distributed import timeout_message, waiting_for
 from train_imagenet.engine import StepOptions, train_one_epoch
+from train_helpers import torchrun_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model=vit_tiny_patch16_224",
@@ -163,22 +164,6 @@ def test_collective_timeout_exits_4_with_one_line(data, tmp_path, capsys, monkey
     assert "gradient all-reduce of epoch 0, update 7" in err[0] and "Traceback" not in err[0]
 
 
-def _workers(agent_pid):
-    """{rank: pid} of torchrun's worker processes (children of the agent)."""
-    found = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-        except OSError:
-            continue
-        if ppid == agent_pid and b"RANK" in env:
-            found[int(env[b"RANK"])] = int(pid)
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_stopped_rank_ends_the_run_within_dist_timeout(data, tmp_path):
@@ -198,7 +183,7 @@ def test_stopped_rank_ends_the_run_within_dist_timeout(data, tmp_path):
         deadline = time.time() + 300
         while not list_checkpoints(str(out)) and agent.poll() is None and time.time() < deadline:
             time.sleep(0.5)
-        workers = _workers(agent.pid)
+        workers = torchrun_workers(agent.pid)
         assert agent.poll() is None and 1 in workers, "the run did not get to its first checkpoint"
         os.kill(workers[1], signal.SIGSTOP)
         log, _ = agent.communicate(timeout=180)

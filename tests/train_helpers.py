@@ -67,3 +67,19 @@ def write_digits_split(root: str, n_train: int, n_val: int, train_per_shard: int
     write_shards(root, "train", x[:n_train], y[:n_train], train_per_shard)
     write_shards(root, "val", x[n_train:], y[n_train:], val_per_shard)
     return DigitsSplit(root, x[n_train:], y[n_train:])
+
+
+def torchrun_workers(agent_pid: int) -> dict:
+    """{rank: pid} of torchrun's worker processes (children of the agent)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        except OSError:
+            continue
+        if ppid == agent_pid and b"RANK" in env:
+            found[int(env[b"RANK"])] = int(pid)
+    return found
