@@ -46,10 +46,15 @@ def available() -> bool:
     return triton is not None
 
 
+# Read once, when this module loads: Triton's knob reads the environment through a C
+# function that torch.compile cannot trace, and the core choice asks inside compiled graphs.
+_INTERPRET = triton is not None and bool(triton.knobs.runtime.interpret)
+
+
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1`` was set before
     triton was imported): then the kernels take CPU tensors."""
-    return triton is not None and bool(triton.knobs.runtime.interpret)
+    return _INTERPRET
 
 
 def _kernels(device: torch.device) -> ModuleType:
