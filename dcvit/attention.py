@@ -161,12 +161,12 @@ def _eager_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
     return layer._core(q, k, v, x, attn_mask, is_causal)
 
 
-def _compose_macs(layer: nn.Module) -> int:
+def _compose_macs(layer: nn.Module, num_heads: int) -> int:
     """Both Compose stages' multiply-adds per (batch element, query, key) in the paper's
-    formulation (`dcvit.matrices.compose_stage_macs`), for FLOP counters of the fused core.
-    ``layer`` is a `DCMHA` or a converted layer of `dcvit.conversion`."""
+    formulation (`dcvit.matrices.compose_stage_macs`), for FLOP counters of the fused core;
+    counted once, when `init_compose` builds the stages."""
     o = layer.options
-    return sum(compose_stage_macs(layer.slots, name, layer.num_heads, o.rank, o.dynamic_proj,
+    return sum(compose_stage_macs(layer.slots, name, num_heads, o.rank, o.dynamic_proj,
                                   stage.static is not None)
                for name, stage in (("pre", layer.pre_compose), ("post", layer.post_compose))
                if stage is not None)
@@ -317,6 +317,7 @@ def init_compose(layer: nn.Module, dim: int, num_heads: int, options: DCMHAOptio
         float(o.dynamic_drop), **dd) if layer.slots.count else None
     layer.pre_compose = Compose(num_heads, o.static_proj, o.static_init, **dd) if o.composes("pre") else None
     layer.post_compose = Compose(num_heads, o.static_proj, o.static_init, **dd) if o.composes("post") else None
+    layer.compose_macs = _compose_macs(layer, num_heads)
     layer.attn_impl = "auto"
 
 
@@ -464,7 +465,7 @@ class DCMHA(nn.Module):
             mats = ComposeMatrices(*self._matrices(self.pre_compose, m, "pre", dtype, q.device),
                                    *self._matrices(self.post_compose, m, "post", dtype, q.device))
         if impl != "compile":
-            return composed_attention(q, k, v, mask, mats, impl, self.scale, _compose_macs(self))
+            return composed_attention(q, k, v, mask, mats, impl, self.scale, self.compose_macs)
         if dropout:          # the weights, dropped out (in the reference's memory order), then @ v
             weights = composed_attention_compile(q, k, None, mask, mats, self.scale)
             return self.attn_drop(weights.contiguous()) @ v
