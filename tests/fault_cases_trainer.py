@@ -79,7 +79,7 @@ def main():
     ap.add_argument("--skip-torchrun", action="store_true")
     a = ap.parse_args()
     repo = os.path.abspath(a.repo)
-    from train_helpers import digits, torchrun_workers, write_shards
+    from train_helpers import digits, kill_torchrun, torchrun_workers, write_shards
     tmp = tempfile.mkdtemp(prefix="fault_cases_trainer_")
     x, y = digits(149)
     data, small = os.path.join(tmp, "data"), os.path.join(tmp, "small")
@@ -187,14 +187,7 @@ def main():
         except subprocess.TimeoutExpired:
             what = "still running 120 s after the stop, killed"
         finally:
-            for pid in ranks.values():          # in their own sessions: not in the agent's group
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.communicate()
+            kill_torchrun(p, ranks)
         intact = []
         for c in ckpts(out):
             try:

@@ -25,7 +25,7 @@ from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_ch
 from train_imagenet.data import DataError
 from train_imagenet.distributed import timeout_message, waiting_for
 from train_imagenet.engine import StepOptions, train_one_epoch
-from train_helpers import torchrun_workers
+from train_helpers import kill_torchrun, torchrun_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model=vit_tiny_patch16_224",
@@ -188,14 +188,7 @@ def test_stopped_rank_ends_the_run_within_dist_timeout(data, tmp_path):
         os.kill(workers[1], signal.SIGSTOP)
         log, _ = agent.communicate(timeout=180)
     finally:
-        for pid in workers.values():            # each in its own session: killed one by one
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.communicate()
+        kill_torchrun(agent, workers)
     assert agent.returncode != 0
     lines = [ln for ln in log.splitlines() if "error: rank 0 waited more than dist_timeout=10 s" in ln]
     assert len(lines) == 1, log[-3000:]

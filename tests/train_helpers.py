@@ -83,3 +83,18 @@ def torchrun_workers(agent_pid: int) -> dict:
         if ppid == agent_pid and b"RANK" in env:
             found[int(env[b"RANK"])] = int(pid)
     return found
+
+
+def kill_torchrun(agent, workers: dict) -> None:
+    """SIGKILL torchrun's workers (each in its own session, so one by one), then the agent's
+    process group if it still runs, and reap the agent."""
+    import signal
+    for pid in workers.values():
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if agent.poll() is None:
+        os.killpg(agent.pid, signal.SIGKILL)
+    agent.communicate()
+
