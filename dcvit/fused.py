@@ -58,7 +58,7 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import register_flop_formula
+from torch.utils import flop_counter
 
 from .kernels import compose_cpu
 from .matrices import ComposeMatrices, mix, mix_fusable
@@ -373,13 +373,24 @@ def _core_flops(q_shape, k_shape, v_shape, compose_macs: int) -> int:
     return 2 * (attention_macs(q_shape, k_shape, v_shape) + B * T * S * compose_macs)
 
 
-@register_flop_formula(torch.ops.dcvit.composed_attention)
+def _flop_formula(op):
+    """``torch.utils.flop_counter.register_flop_formula(op)``, keyed by the op's overload
+    packet as `FlopCounterMode` looks it up (torch before 2.5 keyed a custom op's formula by
+    its overloads only, so that the counter never found it)."""
+    def register(formula):
+        flop_counter.register_flop_formula(op)(formula)
+        flop_counter.flop_registry.setdefault(op, flop_counter.shape_wrapper(formula))
+        return formula
+    return register
+
+
+@_flop_formula(torch.ops.dcvit.composed_attention)
 def _attention_flops(q, k, v, mask, mq1, mk1, mq2, mk2, impl, scale, compose_macs=0, *,
                      out_shape=None, **kwargs) -> int:
     return _core_flops(q, k, v, compose_macs)
 
 
-@register_flop_formula(torch.ops.dcvit.composed_attention_backward)
+@_flop_formula(torch.ops.dcvit.composed_attention_backward)
 def _attention_backward_flops(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, impl, scale, want,
                               compose_macs=0, *, out_shape=None, **kwargs) -> int:
     return 2 * _core_flops(q, k, v, compose_macs)
