@@ -256,7 +256,8 @@ def test_fvcore_import_warning_is_silenced_and_the_callers_filters_are_kept():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "usage: dcvit-report" in run.stdout
-    assert "FutureWarning" not in run.stderr and "FutureWarning" not in run.stdout, run.stderr
+    # fvcore's message is gone (other packages' own warnings, e.g. an old onnxscript's, may show)
+    assert "torch.jit.script` is" not in run.stderr + run.stdout, run.stderr
     # Only that message is ignored: the same category with another message still shows.
     shown = subprocess.run([sys.executable, "-c", "import dcvit.accounting, warnings\n"
                             "warnings.warn('a user warning', FutureWarning)"],
