@@ -40,7 +40,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import difflib
 import hashlib
 import io
 import json
@@ -59,6 +58,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from dcvit.cli import did_you_mean
 from dcvit.io import write_json
 from dcvit.schema import CLASSES_FILE, IMAGE_EXTENSIONS, ShardMeta, check_split, shard_name, split_names
 from train_imagenet.run_lock import RunDirError, RunLock
@@ -262,9 +262,7 @@ def _parse_label(token: str, index: dict[str, int], offset: int, where: str,
         token = names[label]
     if token in index:
         return index[token]
-    close = difflib.get_close_matches(token, list(index), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise ConversionError(f"{where}: class '{token}' is not in --classes{hint}")
+    raise ConversionError(f"{where}: class '{token}' is not in --classes{did_you_mean(token, index, n=1)}")
 
 
 def read_labels(path: Path, images: list[Path], classes: list[str], offset: int,

@@ -1,12 +1,13 @@
 """What a config makes of a model for training, from timm's parts: the optimizer (linear lr
 scaling, weight decay, parameter groups), the per-update schedule, the loss scaler, mixup and
 the loss. `check_recipe` tries the names on a dummy parameter, before any data is read."""
-import difflib
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 import torch
+
+from dcvit.cli import did_you_mean
 
 from .config import Config, ConfigError
 from .engine import LossScaler
@@ -39,9 +40,8 @@ def check_recipe(cfg: Config) -> None:
     try:
         optimizer = create_optimizer_v2(dummy, opt=cfg.optim.opt, lr=cfg.optim.lr)
     except (ValueError, ImportError) as e:
-        close = difflib.get_close_matches(cfg.optim.opt.lower(), list_optimizers(), n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer ({e}){hint}") from e
+        raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer ({e})"
+                          f"{did_you_mean(cfg.optim.opt.lower(), list_optimizers())}") from e
     try:
         create_scheduler_v2(optimizer, sched=cfg.sched.sched, num_epochs=cfg.epochs,
                             step_on_epochs=False, updates_per_epoch=1)
