@@ -116,13 +116,6 @@ class ConvertConfig:
 
 
 @dataclass
-class DebugConfig:
-    """Fault injection for tests of the recovery paths (leave at 0 in real runs)."""
-    crash_at_step: int = 0     # exit the process hard after this global update, once per run dir
-    nan_at_step: int = 0       # make the loss NaN at this global update
-
-
-@dataclass
 class Config:
     model: str = "vit_small_patch16_224"  # any timm name; dcvit_* names exist (dcvit imported)
     model_kwargs: Dict[str, Any] = field(default_factory=dict)   # extra timm.create_model kwargs
@@ -161,7 +154,6 @@ class Config:
     dist_timeout: float = 3600            # seconds a rank waits in a collective for the others
                                           # (start-up checks, evaluation, saves included) before
                                           # the run stops with an error naming what it waited for
-    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> "Config":
         """Checks the values that have a fixed set of choices or a range."""

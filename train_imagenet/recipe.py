@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 import torch
+from timm.utils import NativeScaler
 
 from dcvit.cli import did_you_mean
 
 from .config import Config, ConfigError
-from .engine import LossScaler
 from .finetune import param_group_fn
 from .mixup import RollMixup
 
@@ -21,7 +21,7 @@ __all__ = ["Recipe", "build_recipe", "check_recipe"]
 class Recipe:
     optimizer: torch.optim.Optimizer
     scheduler: Any                       # a timm scheduler, stepped per update
-    scaler: LossScaler                   # enabled for amp=fp16 only
+    scaler: Optional[NativeScaler]       # timm's loss scaler, for amp=fp16 only
     mixup: Optional[Callable]
     loss_fn: Callable
     lr: float                            # after linear scaling to the global batch
@@ -82,7 +82,8 @@ def build_recipe(cfg: Config, model: torch.nn.Module, batches_per_epoch: int,
                                        warmup_lr=cfg.sched.warmup_lr, min_lr=cfg.sched.min_lr,
                                        cooldown_epochs=cfg.sched.cooldown_epochs,
                                        step_on_epochs=False, updates_per_epoch=updates_per_epoch)
-    scaler = LossScaler(enabled=cfg.amp == "fp16")     # disabled: a plain backward and step
+    # bf16 and fp32 need no loss scale (timm's train.py); fp16 runs on CUDA only (checked first)
+    scaler = NativeScaler(device="cuda") if cfg.amp == "fp16" else None
     a = cfg.aug
     mixup = None
     if a.mixup > 0 or a.cutmix > 0:

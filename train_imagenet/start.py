@@ -167,7 +167,7 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
                            f"version): they are not checked")
         load_model_weights(model, state["model"], path)
         recipe.optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler"):
+        if state.get("scaler") and recipe.scaler is not None:
             recipe.scaler.load_state_dict(state["scaler"])
         if changes:   # resume_at_epoch_boundary: this run's schedule, from the next boundary
             epoch = state["epoch"] + (1 if state["batch"] else 0)
