@@ -90,8 +90,8 @@ def peak_memory_mb(device: torch.device) -> float:
 @dataclass
 class Step:
     """One training step: ``step(model, batch, state)`` runs one micro-batch and returns the
-    state advanced past it. `model` may be DDP-wrapped (its all-reduce runs on the last
-    micro-batch of an update only)."""
+    state advanced past it (the same object, updated in place). `model` may be DDP-wrapped
+    (its all-reduce runs on the last micro-batch of an update only)."""
     optimizer: torch.optim.Optimizer
     scheduler: Any                  # a timm scheduler, stepped per update
     loss_fn: Callable
