@@ -2,7 +2,7 @@
 the "did you mean" hint of every unknown-name message."""
 import ast
 import difflib
-from typing import Any, Dict, Iterable, Sequence
+from typing import Any, Dict, Iterable, Mapping, Optional, Sequence
 
 import yaml
 
@@ -42,7 +42,15 @@ def parse_kwargs(items: Sequence[str], flag: str = "--model-kwargs") -> Dict[str
     return out
 
 
-def did_you_mean(name: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6) -> str:
-    """``"; did you mean 'rank'?"`` for the choices close to ``name``, or ``""`` when none is."""
-    close = difflib.get_close_matches(name, sorted(choices), n=n, cutoff=cutoff)
-    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+def did_you_mean(name: str, choices: Iterable[str], n: int = 3, cutoff: float = 0.6,
+                 shown: Optional[Mapping[str, str]] = None) -> str:
+    """``"; did you mean 'rank'?"`` for the choices close to ``name`` (at most ``n``, the
+    closest first: 'a', 'b' or 'c'), or ``""`` when none is. ``shown`` gives the text suggested
+    for a choice where it differs (``{"lr": "optim.lr"}``: a key found by its last part is
+    suggested whole)."""
+    close = [repr((shown or {}).get(c, c))
+             for c in difflib.get_close_matches(name, sorted(choices), n=n, cutoff=cutoff)]
+    if not close:
+        return ""
+    listed = close[0] if len(close) == 1 else f"{', '.join(close[:-1])} or {close[-1]}"
+    return f"; did you mean {listed}?"

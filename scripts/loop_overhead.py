@@ -58,7 +58,8 @@ def measure(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
 
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
-    from train_imagenet.engine import LossScaler, StepOptions, autocast, train_one_epoch
+    from timm.utils import NativeScaler
+    from train_imagenet.engine import StepOptions, autocast, train_one_epoch
 
     device = torch.device(args.device)
     kwargs: Dict[str, Any] = dict(img_size=args.img_size)
@@ -73,7 +74,7 @@ def measure(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
     opts = StepOptions(amp=args.amp, log_every=args.log_every, step_lines=True)  # as without a terminal
 
-    loop_scaler = LossScaler(enabled=args.amp == "fp16", device=device.type)
+    loop_scaler = NativeScaler(device.type) if args.amp == "fp16" else None
 
     def loop() -> None:
         train_one_epoch(model, pipe, 0, optimizer=opt, scheduler=_NoSchedule(),

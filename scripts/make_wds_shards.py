@@ -40,7 +40,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import difflib
 import hashlib
 import io
 import json
@@ -59,8 +58,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from dcvit.cli import did_you_mean
 from dcvit.io import write_json
-from dcvit.schema import CLASSES_FILE, IMAGE_EXTENSIONS, ShardMeta, check_split, shard_name, split_names
+from dcvit.schema import (CLASSES_FILE, IMAGE_EXTENSIONS, LABEL_EXTENSION, ShardMeta, check_split,
+                          shard_name, split_names)
 from train_imagenet.run_lock import RunDirError, RunLock
 from train_imagenet.shard_check import scan_shard
 
@@ -262,9 +263,7 @@ def _parse_label(token: str, index: dict[str, int], offset: int, where: str,
         token = names[label]
     if token in index:
         return index[token]
-    close = difflib.get_close_matches(token, list(index), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise ConversionError(f"{where}: class '{token}' is not in --classes{hint}")
+    raise ConversionError(f"{where}: class '{token}' is not in --classes{did_you_mean(token, index, n=1)}")
 
 
 def read_labels(path: Path, images: list[Path], classes: list[str], offset: int,
@@ -430,7 +429,7 @@ def write_shard(task: tuple[str, str, int, list[Sample], str]) -> tuple[int, int
             for s in samples:
                 ext, data, converted = encode_image(s.path, other_formats)
                 reencoded += converted
-                sink.write({"__key__": s.key, ext: data, "cls": str(s.label).encode("ascii")})
+                sink.write({"__key__": s.key, ext: data, LABEL_EXTENSION: str(s.label).encode("ascii")})
         f.flush()
         os.fsync(f.fileno())
     return index, len(samples), path.stat().st_size, reencoded
@@ -489,7 +488,7 @@ def _lock(out: Path) -> RunLock:
         out.mkdir(parents=True, exist_ok=True)
         return lock.acquire()
     except RunDirError:
-        raise ConversionError(f"--out {out} is in use by another conversion ({lock._holder()}); "
+        raise ConversionError(f"--out {out} is in use by another conversion ({lock.holder()}); "
                               "wait for it to end, or write to another --out") from None
     except OSError as e:
         raise ConversionError(f"--out {out} cannot be written ({e.strerror or e}); "

@@ -165,6 +165,21 @@ def main():
     report("9 train_loss of an epoch resumed mid-way", code,
            f"{got[0] if got else None!r} vs {want[0]!r} uninterrupted")
 
+    # 10: resume with another number of epochs
+    out = mid_checkpoint(full, mid, tmp)
+    code, err = run(repo, args(out, "resume=auto", "epochs=3"))
+    said = [ln.split("] ", 1)[-1] for ln in err.splitlines() if "learning-rate schedule" in ln]
+    lr = [r["lr"] for r in records(out) if r["epoch"] == 1]
+    report("10 resume=auto, epochs 2 -> 3", code,
+           f"{said[0] if said else 'nothing said about the schedule'}; epoch 1 ends at lr "
+           f"{lr[0] if lr else None!r} (cosine over 36 updates at 24: 0.000508; the saved "
+           f"24-update schedule: 1e-05)")
+    out = mid_checkpoint(full, mid, tmp)
+    code, err = run(repo, args(out, "resume=auto", "epochs=1"))
+    report("10 resume=auto, epochs 2 -> 1", code, salient(err) if code else
+           f"log.jsonl epochs {[r['epoch'] for r in records(out)]}; eval.json written: "
+           f"{os.path.exists(os.path.join(out, 'eval.json'))}")
+
     # 4: a stopped rank under torchrun
     if not a.skip_torchrun:
         out = os.path.join(tmp, "stopped")

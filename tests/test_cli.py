@@ -1,6 +1,6 @@
 import pytest
 
-from dcvit.cli import parse_kwargs
+from dcvit.cli import did_you_mean, parse_kwargs
 from dcvit.report import ReportError, parse_model_kwargs
 
 
@@ -30,3 +30,25 @@ def test_report_uses_the_same_parser():
     assert parse_model_kwargs(["class_token=false", "patch_size=4"]) == {"class_token": False, "patch_size": 4}
     with pytest.raises(ReportError, match="'novalue'"):
         parse_model_kwargs(["novalue"])
+
+
+def test_did_you_mean_lists_the_closest_first():
+    assert did_you_mean("rnak", ["rank", "query_wise"]) == "; did you mean 'rank'?"
+    assert did_you_mean("lr_rat", ["lr_rate", "lr_ratio", "weight_decay"]) == \
+        "; did you mean 'lr_rate' or 'lr_ratio'?"
+    assert did_you_mean("optim", ["optimizer", "opt", "optim_x"]) == \
+        "; did you mean 'optim_x', 'opt' or 'optimizer'?"          # ratios 0.83, 0.75, 0.71
+    assert did_you_mean("lr_rat", ["lr_rate", "lr_ratio"], n=1) == "; did you mean 'lr_rate'?"
+    assert did_you_mean("zzz", ["rank", "query_wise"]) == ""
+    by_last = {"lr": "optim.lr", "momentum": "optim.momentum"}
+    assert did_you_mean("lr", by_last, shown=by_last) == "; did you mean 'optim.lr'?"
+
+
+def test_the_checks_share_the_hint():
+    from train_imagenet.config import ConfigError, load_config
+    from dcvit.report import check_model_name
+    with pytest.raises(ConfigError, match=r"unknown config key 'momentun'; did you mean 'optim.momentum'\?$"):
+        load_config(None, ["momentun=0.8"])
+    with pytest.raises(ReportError, match=r"unknown model 'dcvit_tiny_patch16_22'; did you mean "
+                                          r"'dcvit_tiny_patch16_224'"):
+        check_model_name("dcvit_tiny_patch16_22")

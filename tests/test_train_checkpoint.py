@@ -75,3 +75,36 @@ def test_resume_pick_is_made_on_rank_0_and_broadcast(tmp_path, monkeypatch):
     monkeypatch.setattr(entry, "load_latest", no_listing)
     assert entry._latest_checkpoint(str(tmp_path), DistInfo(rank=1, world_size=2)) == ("FROM-RANK-0", None)
     assert sent == [newest, None]
+
+
+@pytest.mark.parametrize("amp, saved", [
+    ("fp16", {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+              "growth_interval": 2000, "_growth_tracker": 7}),
+    ("bf16", None),
+])
+def test_loss_scaler_state_resumes(tmp_path, amp, saved):
+    """The checkpoint's `scaler` entry, as every version saved it (torch's GradScaler state
+    for amp=fp16, None otherwise), resumes into the recipe's timm NativeScaler; without fp16
+    the recipe has no scaler."""
+    import dataclasses
+    import warnings
+    from timm.utils import NativeScaler
+    from train_imagenet.config import load_config
+    from train_imagenet.recipe import build_recipe
+    from train_imagenet.start import arch_of, start_training
+
+    cfg = load_config(None, ["data.num_classes=3", "epochs=2", f"amp={amp}"])
+    model = torch.nn.Linear(4, 3)
+    with warnings.catch_warnings():                      # "CUDA is not available": disabled
+        warnings.simplefilter("ignore")
+        recipe = build_recipe(cfg, model, batches_per_epoch=4, world_size=1)
+    assert isinstance(recipe.scaler, NativeScaler) if amp == "fp16" else recipe.scaler is None
+    if amp == "fp16":                                    # fp16 runs on CUDA; its scaler on CPU here
+        recipe = dataclasses.replace(recipe, scaler=NativeScaler("cpu"))
+    state = {"model": model.state_dict(), "optimizer": recipe.optimizer.state_dict(),
+             "scheduler": recipe.scheduler.state_dict(), "scaler": saved, "epoch": 1,
+             "batch": 0, "update": 4, "arch": arch_of(cfg), "config": {}}
+    start = start_training(cfg, model, recipe, DistInfo(), str(tmp_path / "c.pth"), state,
+                           {}, updates_per_epoch=4)
+    assert (start.epoch, start.update) == (1, 4)
+    assert (recipe.scaler.state_dict() if recipe.scaler else None) == saved

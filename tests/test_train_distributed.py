@@ -34,9 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(launcher, args, timeout=600):
+def _torchrun(launcher, args, entry=("-m", "train_imagenet")):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "train_imagenet", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, *entry, *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
@@ -129,11 +129,14 @@ def test_ddp_two_processes_equal_one_with_same_global_batch(tmp_path):
 
 
 def test_killed_worker_restarted_by_torchrun_ends_identically(shards, reference, tmp_path):
+    """Both ranks exit hard after update 9 (tests/exit_after_update.py); torchrun restarts
+    them, they resume from update 8's checkpoint and end as the uninterrupted run."""
     out = tmp_path / "restarted"
     log = _finish(_torchrun(["--standalone", "--nproc_per_node=2", "--max-restarts=1"],
                             [f"data.train={shards}", f"data.val={shards}", f"output_dir={out}",
                              *TINY, *AUG, "resume=auto", "save_every_steps=4",
-                             "debug.crash_at_step=9", "keep_checkpoints=5"]))
+                             "keep_checkpoints=5"],
+                            entry=[os.path.join(ROOT, "tests", "exit_after_update.py"), "9"]))
     assert "simulated failure" in log and "resumed from" in log and "u00000008" in log
     a, b = _final(reference), _final(out)
     assert a["update"] == b["update"] == 12

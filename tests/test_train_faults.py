@@ -15,7 +15,7 @@ from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.config import load_config
 from train_imagenet.data import DataError, build_data
 
-from train_helpers import digits, write_shards
+from train_helpers import digits, nan_loss_at, write_shards
 
 TINY = ["model=vit_tiny_patch16_224",
         "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
@@ -349,9 +349,10 @@ def test_nan_stop_names_the_last_checkpoint_that_verifies(tmp_path, capsys, monk
             _alter_a_tensor(path)
         return path
     monkeypatch.setattr(trainer_mod, "save_checkpoint", save_then_damage)
+    nan_loss_at(monkeypatch, 7)
     out = tmp_path / "out"
     assert _run(root, out, "epochs=2", "save_every_steps=2", "keep_checkpoints=5",
-                "debug.nan_at_step=7", "log_every=2") == 3
+                "log_every=2") == 3
     err = capsys.readouterr().err
     assert "loss is nan at epoch 1, update 7" in err
     assert "The last good checkpoint is " + str(out / "ckpt-e0000-u00000004.pth") in err

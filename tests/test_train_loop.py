@@ -1,6 +1,8 @@
 """The training loop as a cluster sees it: one host sync and one all-reduce per `log_every`
 updates (not per update), a NaN still caught inside that window and before any save, and
-a progress line every `log_every` updates when stderr is not a terminal."""
+a progress line every `log_every` updates when stderr is not a terminal; the step itself
+(accumulation, clipping, timm's NativeScaler) against plain torch."""
+import itertools
 import re
 
 import pytest
@@ -10,7 +12,9 @@ import torch.distributed as dist
 import train_imagenet.engine as engine
 from train_imagenet.config import load_config
 from train_imagenet.data import build_data
-from train_imagenet.engine import NonFiniteLoss, StepOptions, train_one_epoch
+from timm.utils import NativeScaler
+
+from train_imagenet.engine import EpochTotals, LoopState, NonFiniteLoss, Step, StepOptions, train_one_epoch
 
 from train_helpers import digits, write_shards
 
@@ -35,16 +39,17 @@ def group():
     dist.destroy_process_group()
 
 
-def _epoch(pipe, opts, on_update=None):
+class _Sched:
+    def step_update(self, n):
+        pass
+
+
+def _epoch(pipe, opts, on_update=None, loss_fn=torch.nn.CrossEntropyLoss()):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    class Sched:
-        def step_update(self, n):
-            pass
-    return train_one_epoch(model, pipe, 0, optimizer=optimizer, scheduler=Sched(),
-                           loss_fn=torch.nn.CrossEntropyLoss(), device=torch.device("cpu"),
+    return train_one_epoch(model, pipe, 0, optimizer=optimizer, scheduler=_Sched(),
+                           loss_fn=loss_fn, device=torch.device("cpu"),
                            opts=opts, update=0, on_update=on_update)
 
 
@@ -91,13 +96,17 @@ def test_mean_loss_is_independent_of_the_window(pipe):
 
 @pytest.mark.parametrize("save_every", [0, 4])
 def test_nan_caught_in_its_window_before_any_save(pipe, group, save_every):
-    saved = []
+    saved, calls = [], itertools.count(1)
 
-    def on_update(batch_done, update, totals):
+    def on_update(epoch, batch_done, update, totals):
         if save_every and update % save_every == 0:
             saved.append(update)
+
+    def nan_at_7(out, y):                                 # one call per update here
+        loss = torch.nn.functional.cross_entropy(out, y)
+        return loss * float("nan") if next(calls) == 7 else loss
     with pytest.raises(NonFiniteLoss, match=r"loss is nan at epoch 0, update 7 \(found at batch"):
-        _epoch(pipe, StepOptions(log_every=5, save_every=save_every, nan_at_update=7), on_update)
+        _epoch(pipe, StepOptions(log_every=5, save_every=save_every), on_update, nan_at_7)
     assert saved == ([4] if save_every else [])          # update 8's save never ran
 
 
@@ -112,28 +121,55 @@ def test_step_lines_without_a_terminal(pipe, capsys):
     assert "step" not in capsys.readouterr().err
 
 
-def test_disabled_loss_scaler_is_a_plain_clipped_step():
-    """timm's NativeScaler path with fp16 off: exactly backward, clip_grad_norm_, step."""
-    from train_imagenet.engine import LossScaler
-
+@pytest.mark.parametrize("scaler", [None, "native"])
+def test_step_accumulates_clips_and_steps_like_plain_torch(scaler):
+    """Two micro-batches of one update (accum_steps=2, clip 0.1) through `Step`, without a
+    scaler (bf16/fp32) or with timm's NativeScaler (its GradScaler on CPU: the power-of-two
+    scale is exact): the same as backward of each half loss, clip_grad_norm_, one step."""
     def setup():
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 3)
         return model, torch.optim.SGD(model.parameters(), lr=0.5)
-    x, y = torch.randn(8, 4) * 10, torch.randint(0, 3, (8,))
+    x, y = torch.randn(2, 8, 4) * 10, torch.randint(0, 3, (2, 8))
     a, opt_a = setup()
-    scaler = LossScaler(enabled=False)
-    scaler(torch.nn.functional.cross_entropy(a(x), y), opt_a, clip_grad=0.1,
-           parameters=a.parameters(), need_update=False)          # accumulate only
-    assert all(p.grad is not None for p in a.parameters())
+    step = Step(opt_a, _Sched(), torch.nn.functional.cross_entropy, torch.device("cpu"),
+                StepOptions(accum_steps=2, clip_grad=0.1),
+                scaler=NativeScaler("cpu") if scaler else None)
+    state = LoopState(0, 0, 0, EpochTotals(), torch.zeros(()), torch.zeros(5))
     before = [p.detach().clone() for p in a.parameters()]
+    state = step(a, (x[0], y[0], 0), state)                      # accumulate only
+    assert (state.update, state.batch, state.in_window) == (0, 1, 0)
+    assert all(p.grad is not None for p in a.parameters())
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
-    scaler(torch.nn.functional.cross_entropy(a(x), y), opt_a, clip_grad=0.1,
-           parameters=a.parameters(), need_update=True)
+    state = step(a, (x[1], y[1], 2), state)
+    assert (state.update, state.batch, state.in_window) == (1, 2, 1)
+    assert (state.totals.samples, state.totals.skipped) == (16, 2)
+    assert all(p.grad is None for p in a.parameters())          # zeroed after the update
     b, opt_b = setup()
-    for _ in range(2):
-        torch.nn.functional.cross_entropy(b(x), y).backward()
+    losses = [torch.nn.functional.cross_entropy(b(x[i]), y[i]) / 2 for i in range(2)]
+    for loss in losses:
+        loss.backward()
     torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)
     opt_b.step()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    assert scaler.state_dict() == {}
+    assert state.window[0].item() == pytest.approx(sum(loss.item() for loss in losses), rel=1e-6)
+    assert state.pending.item() == 0
+
+
+def test_native_scaler_skips_a_non_finite_update():
+    """fp16's guard: with the NativeScaler an update whose gradients are not finite leaves the
+    weights as they were and halves the scale; its loss still reaches the window, where the
+    check stops the run."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = NativeScaler("cpu")
+    step = Step(opt, _Sched(), lambda out, y: out.sum() * float("inf"), torch.device("cpu"),
+                StepOptions(), scaler=scaler)
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = scaler.state_dict()["scale"]
+    state = step(model, (torch.randn(8, 4), torch.zeros(8, dtype=torch.long), 0),
+                 LoopState(0, 0, 0, EpochTotals(), torch.zeros(()), torch.zeros(5)))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert scaler.state_dict()["scale"] == scale / 2 and state.update == 1
+    assert not torch.isfinite(state.window[0])

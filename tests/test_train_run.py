@@ -15,6 +15,8 @@ from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.distributed import DistInfo
 
+from train_helpers import nan_loss_at
+
 TINY = ["model=vit_tiny_patch16_224",
         "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
         "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
@@ -90,9 +92,10 @@ def test_resume_mid_epoch_matches_uninterrupted(data, tmp_path):
     assert _json(full / "eval_ema.json")["top1"] == _json(resumed / "eval_ema.json")["top1"]
 
 
-def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path, capsys):
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(data, tmp_path, capsys, monkeypatch):
+    nan_loss_at(monkeypatch, 7)
     out = tmp_path / "nan"
-    assert _run(data, out, "save_every_steps=4", "debug.nan_at_step=7") == 3
+    assert _run(data, out, "save_every_steps=4") == 3
     err = capsys.readouterr().err
     assert "loss is nan" in err and "update 7" in err and "last good checkpoint" in err
     ckpts = list_checkpoints(str(out))

@@ -5,6 +5,7 @@ before any work, or is handled with nothing lost (tests/fault_cases_trainer.md).
 import csv
 import errno
 import json
+import math
 import os
 import pickle
 import shutil
@@ -118,6 +119,37 @@ def test_resume_at_epoch_boundary_continues_on_the_new_schedule(data, small, ful
 def test_same_run_resumes_without_the_flag(data, full, tmp_path):
     out = _killed_after(full, MID, tmp_path / "out")
     assert _run(data, out, "resume=auto", "save_every_steps=5", "keep_checkpoints=20") == 0
+
+
+def _cosine(t, total, lr_max=2e-3, lr_min=1e-5):
+    """timm's cosine schedule after the warm-up (TINY: lr 2e-3, min_lr 1e-5), at update t."""
+    return lr_min + 0.5 * (lr_max - lr_min) * (1 + math.cos(math.pi * t / total))
+
+
+def test_resume_with_more_epochs_follows_the_new_schedule(data, full, tmp_path, capsys):
+    """epochs 2 -> 3 on a resume at update 20 (12 updates per epoch): the schedule is this
+    config's cosine over 36 updates, and the log says so; the saved one (24 updates) would
+    have ended epoch 1 at min_lr."""
+    out = _killed_after(full, MID, tmp_path / "out")
+    assert _run(data, out, "resume=auto", "epochs=3") == 0
+    err = capsys.readouterr().err
+    assert (f"was saved on another learning-rate schedule (epochs 2 -> 3): continuing on this "
+            f"config's schedule from update 20, where the learning rate is {_cosine(20, 36):.3g} "
+            f"(it was {_cosine(20, 24):.3g} at the save)") in err
+    records = _records(out)
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert records[0]["lr"] == pytest.approx(_cosine(24, 36), rel=1e-6)
+    assert records[1]["lr"] == pytest.approx(1e-5)
+    final = load_checkpoint(list_checkpoints(str(out))[-1])
+    assert (final["epoch"], final["update"]) == (3, 36)
+
+
+def test_resume_past_the_new_last_epoch_is_refused(data, full, tmp_path, capsys):
+    out = _killed_after(full, MID, tmp_path / "out")
+    assert _run(data, out, "resume=auto", "epochs=1") == 2
+    err = capsys.readouterr().err
+    assert "is at epoch 1, batch 8: this run's epochs=1 end before it; set epochs=2 or more" in err
+    assert list_checkpoints(str(out)) == [str(out / MID)] and not (out / "config.yaml").exists()
 
 
 class _Pipe:

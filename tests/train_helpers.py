@@ -1,6 +1,9 @@
 """Small real data for the training tests: scikit-learn's digits as 32x32 RGB images, written
-as WebDataset shards (with webdataset.TarWriter) or as an ImageFolder."""
+as WebDataset shards (with webdataset.TarWriter) or as an ImageFolder; faults a test injects
+(a NaN loss); torchrun's workers."""
+import dataclasses
 import io
+import itertools
 import os
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
@@ -67,6 +70,24 @@ def write_digits_split(root: str, n_train: int, n_val: int, train_per_shard: int
     write_shards(root, "train", x[:n_train], y[:n_train], train_per_shard)
     write_shards(root, "val", x[n_train:], y[n_train:], val_per_shard)
     return DigitsSplit(root, x[n_train:], y[n_train:])
+
+
+def nan_loss_at(monkeypatch, update: int) -> None:
+    """Runs of `train_imagenet.__main__.main` in this process get a loss function that returns
+    NaN at its `update`-th call: optimizer update `update` of a run from scratch without
+    accumulation (evaluation does not call it)."""
+    import train_imagenet.trainer as trainer
+    real_build = trainer.build_recipe
+
+    def build_recipe(*args, **kwargs):
+        recipe = real_build(*args, **kwargs)
+        calls, loss_fn = itertools.count(1), recipe.loss_fn
+
+        def nan_at(out, target):
+            loss = loss_fn(out, target)
+            return loss * float("nan") if next(calls) == update else loss
+        return dataclasses.replace(recipe, loss_fn=nan_at)
+    monkeypatch.setattr(trainer, "build_recipe", build_recipe)
 
 
 def torchrun_workers(agent_pid: int) -> dict:

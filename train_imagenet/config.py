@@ -10,7 +10,6 @@ against the declared type. A file may build on another with ``base: OTHER.yaml``
 ``save_config`` writes the resolved config to the run directory.
 """
 import dataclasses
-import difflib
 import os
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
+from dcvit.cli import did_you_mean
 from dcvit.io import write_text
 
 __all__ = ["Config", "ConfigError", "load_config", "save_config", "config_to_dict", "all_keys",
@@ -116,13 +116,6 @@ class ConvertConfig:
 
 
 @dataclass
-class DebugConfig:
-    """Fault injection for tests of the recovery paths (leave at 0 in real runs)."""
-    crash_at_step: int = 0     # exit the process hard after this global update, once per run dir
-    nan_at_step: int = 0       # make the loss NaN at this global update
-
-
-@dataclass
 class Config:
     model: str = "vit_small_patch16_224"  # any timm name; dcvit_* names exist (dcvit imported)
     model_kwargs: Dict[str, Any] = field(default_factory=dict)   # extra timm.create_model kwargs
@@ -161,7 +154,6 @@ class Config:
     dist_timeout: float = 3600            # seconds a rank waits in a collective for the others
                                           # (start-up checks, evaluation, saves included) before
                                           # the run stops with an error naming what it waited for
-    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def validate(self) -> "Config":
         """Checks the values that have a fixed set of choices or a range."""
@@ -250,11 +242,12 @@ def all_keys(cls: type = Config, prefix: str = "") -> List[str]:
 
 
 def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys() + [BASE_KEY], n=3, cutoff=0.6)
-    if not close:  # 'lr' -> 'optim.lr': match on the last component too
-        last = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
-        close = [last[c] for c in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(last), n=3)]
-    hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+    """The error of an unknown key, with the closest known keys ('lr' finds 'optim.lr' by its
+    last part when no whole key is close)."""
+    keys = all_keys()
+    by_last = {k.rsplit(".", 1)[-1]: k for k in keys}
+    hint = did_you_mean(key, keys + [BASE_KEY]) or \
+        did_you_mean(key.rsplit(".", 1)[-1], by_last, shown=by_last)
     return ConfigError(f"unknown config key {key!r}{hint}")
 
 

@@ -1,22 +1,25 @@
-"""The epoch loop: `train_one_epoch` and `evaluate` (DeiT's engine.py, on timm's parts)."""
+"""The epoch loop (DeiT's engine.py, on timm's parts): `Step`, one micro-batch as a function
+of (model, batch, loop state) returning the state; `train_one_epoch`, a plain loop over the
+epoch's batches with the loss checks, progress and `on_update` (checkpointing) between
+updates; and `evaluate`."""
 import math
 import resource
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
-from timm.utils import NativeScaler
+from timm.utils import NativeScaler, dispatch_clip_grad
 
 from .checkpoint import CheckpointError, restore_rng
 from .data import DataError, DataPipe
 from .distributed import all_reduce_mean, waiting_for
 from .metrics import EvalMetrics
 
-__all__ = ["NonFiniteLoss", "StepOptions", "EpochTotals", "LossScaler", "train_one_epoch",
+__all__ = ["NonFiniteLoss", "StepOptions", "EpochTotals", "LoopState", "Step", "train_one_epoch",
            "evaluate", "autocast", "peak_memory_mb"]
 
 
@@ -30,7 +33,6 @@ class StepOptions:
     clip_grad: Optional[float] = None
     clip_mode: str = "norm"
     amp: str = "none"
-    nan_at_update: int = 0          # fault injection: the loss of this update becomes NaN
     progress: bool = False          # tqdm bar (rank 0, in a terminal)
     step_lines: bool = False        # a printed line every `log_every` updates (rank 0, no terminal)
     log_every: int = 50             # updates between loss checks (one sync, one all-reduce)
@@ -58,13 +60,17 @@ class EpochTotals:
                    skipped[rank] if rank < len(skipped) else 0)
 
 
-class LossScaler(NativeScaler):
-    """timm's NativeScaler (backward, then unscale, clip, step and update on the last
-    micro-batch), with its GradScaler enabled only for fp16: disabled, it is a plain
-    backward and optimizer step, so one code path serves every precision."""
-
-    def __init__(self, enabled: bool, device: str = "cuda"):
-        self._scaler = torch.amp.GradScaler(device if enabled else "cpu", enabled=enabled)
+@dataclass
+class LoopState:
+    """Where an epoch stands. The losses stay on the device (`pending`: the update being
+    accumulated; `window`: the updates not checked yet), so the host never waits for a step."""
+    epoch: int
+    update: int                     # optimizer updates of the run so far
+    batch: int                      # batches of the epoch done
+    totals: EpochTotals
+    pending: torch.Tensor           # () the summed loss of the micro-batches of this update
+    window: torch.Tensor            # (log_every,) the losses of the unchecked updates
+    in_window: int = 0              # how many of `window` are filled
 
 
 def autocast(device: torch.device, amp: str):
@@ -81,139 +87,204 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+@dataclass
+class Step:
+    """One training step: ``step(model, batch, state)`` runs one micro-batch and returns the
+    state advanced past it (the same object, updated in place). `model` may be DDP-wrapped
+    (its all-reduce runs on the last micro-batch of an update only)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Any                  # a timm scheduler, stepped per update
+    loss_fn: Callable
+    device: torch.device
+    opts: StepOptions
+    mixup: Optional[Callable] = None
+    ema: Optional[Any] = None
+    scaler: Optional[NativeScaler] = None   # amp=fp16 only (timm's train.py does the same)
+    world_size: int = 1
+
+    def __call__(self, model: torch.nn.Module, batch: Any, state: LoopState) -> LoopState:
+        """Forward and backward of `batch` (images, labels, corrupt samples skipped before
+        it); on the accumulation's last micro-batch also the optimizer step (with clipping),
+        the schedule, the EMA and the update's loss into the window."""
+        x, y, n_skipped = batch
+        opts = self.opts
+        state.totals.skipped += int(n_skipped)
+        waiting_for(f"the gradient all-reduce of epoch {state.epoch}, update {state.update + 1}")
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.mixup is not None:
+            x, y = self.mixup(x, y)
+        last_micro = (state.batch + 1) % opts.accum_steps == 0
+        sync = last_micro or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        with (nullcontext() if sync else model.no_sync()):
+            with autocast(self.device, opts.amp):
+                loss = self.loss_fn(model(x), y)                   # model(x): (B, num_classes)
+            scaled = loss / opts.accum_steps
+            self._backward(scaled, model, need_update=last_micro)
+        state.pending += scaled.detach()
+        state.totals.samples += x.shape[0] * self.world_size
+        state.batch += 1
+        if not last_micro:
+            return state
+        self.optimizer.zero_grad(set_to_none=True)
+        state.update += 1
+        self.scheduler.step_update(state.update)
+        if self.ema is not None:
+            self.ema.update(getattr(model, "module", model), step=state.update)
+        state.window[state.in_window] = state.pending
+        state.pending.zero_()
+        state.in_window += 1
+        return state
+
+    def _backward(self, loss: torch.Tensor, model: torch.nn.Module, need_update: bool) -> None:
+        """timm's train.py: with fp16, its NativeScaler (scaled backward; on an update unscale,
+        clip, step and update the scale, skipping a step whose gradients are not finite);
+        otherwise a plain backward and, on an update, clip and step."""
+        opts = self.opts
+        if self.scaler is not None:
+            self.scaler(loss, self.optimizer, clip_grad=opts.clip_grad, clip_mode=opts.clip_mode,
+                        parameters=model.parameters(), need_update=need_update)
+            return
+        loss.backward()
+        if need_update:
+            if opts.clip_grad is not None:
+                dispatch_clip_grad(model.parameters(), opts.clip_grad, mode=opts.clip_mode)
+            self.optimizer.step()
+
+
+def _batches(pipe: DataPipe, epoch: int, start_batch: int,
+             rng_state: Optional[Dict[str, Any]]) -> Iterator[Any]:
+    """Batches `start_batch..` of `epoch`. A resumed epoch reads and drops its first
+    `start_batch` batches (the data order is a function of the seed and epoch), then restores
+    `rng_state`, so the batches and the steps' randomness continue where the run stopped."""
+    if start_batch == 0 and rng_state is not None:
+        restore_rng(rng_state)
+    for i, batch in enumerate(pipe.loader(epoch)):
+        if i >= pipe.batches_per_epoch:
+            return
+        if i < start_batch:
+            if i == start_batch - 1 and rng_state is not None:
+                restore_rng(rng_state)
+            continue
+        yield batch
+
+
+def _check_losses(state: LoopState, log_every: int) -> List[float]:
+    """The window's losses, all-reduced in one call and copied to the host in one sync, added
+    to the totals; the window is emptied. A NaN/inf raises NonFiniteLoss naming its update
+    (every rank sees the same values, so every rank stops alike)."""
+    waiting_for(f"the loss check of epoch {state.epoch} at update {state.update}")
+    values = all_reduce_mean(state.window[:state.in_window]).tolist()
+    first = state.update - state.in_window + 1
+    for j, value in enumerate(values):
+        if not math.isfinite(value):
+            raise NonFiniteLoss(
+                f"loss is {value} at epoch {state.epoch}, update {first + j} (found at batch "
+                f"{state.batch - 1} after {state.in_window - j - 1} more updates, checked every "
+                f"log_every={log_every}); stopping without saving. Lower optim.lr, enable "
+                f"optim.clip_grad, or use amp=bf16 instead of fp16")
+    state.totals.loss_sum += sum(values)
+    state.totals.loss_n += len(values)
+    state.in_window = 0
+    return values
+
+
+class _Progress:
+    """Rank 0's progress: a tqdm bar in a terminal (`opts.progress`), or a line per loss check
+    without one (`opts.step_lines`: img/s over all ranks since the previous line, and the ETA
+    of the epoch's remaining batches)."""
+
+    def __init__(self, epoch: int, total: int, state: LoopState, opts: StepOptions):
+        self.epoch, self.total, self.lines = epoch, total, opts.step_lines
+        self.bar = None
+        if opts.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=state.batch, desc=f"epoch {epoch}",
+                            dynamic_ncols=True, mininterval=1.0)
+        self.last_t, self.last_batch, self.last_samples = \
+            time.perf_counter(), state.batch, state.totals.samples
+
+    def advance(self, batches: int) -> None:
+        if self.bar is not None:
+            self.bar.update(batches)
+
+    def show(self, state: LoopState, losses: List[float], lr: float) -> None:
+        mean = sum(losses) / len(losses)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
+        if not self.lines:
+            return
+        now = time.perf_counter()
+        dt, steps = now - self.last_t, state.batch - self.last_batch
+        rate = (state.totals.samples - self.last_samples) / dt if dt > 0 else 0.0
+        eta = int((self.total - state.batch) * dt / steps) if steps else 0
+        print(f"[train_imagenet] epoch {self.epoch} step {state.batch}/{self.total} loss "
+              f"{mean:.4f} lr {lr:.2e} img/s {rate:.0f} ETA {eta // 3600}:{eta // 60 % 60:02d}:"
+              f"{eta % 60:02d}", file=sys.stderr, flush=True)
+        self.last_t, self.last_batch, self.last_samples = now, state.batch, state.totals.samples
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
                     optimizer: torch.optim.Optimizer, scheduler: Any, loss_fn: Callable,
                     device: torch.device, opts: StepOptions, update: int,
                     start_batch: int = 0, rng_state: Optional[Dict[str, Any]] = None,
                     mixup: Optional[Callable] = None, ema: Optional[Any] = None,
-                    scaler: Optional["LossScaler"] = None, totals: Optional[EpochTotals] = None,
-                    on_update: Optional[Callable[[int, int, EpochTotals], None]] = None
+                    scaler: Optional[NativeScaler] = None, totals: Optional[EpochTotals] = None,
+                    on_update: Optional[Callable[[int, int, int, EpochTotals], None]] = None
                     ) -> Dict[str, float]:
-    """Runs batches `start_batch..` of `epoch`; `model` may be DDP-wrapped.
+    """Runs batches `start_batch..` of `epoch` through a `Step`; `model` may be DDP-wrapped.
 
     `update` counts optimizer updates before this call. After each update,
-    `on_update(batch_done, update, totals)` runs (checkpointing). A resumed epoch skips its
-    first `start_batch` batches (the data order is a function of the seed and epoch), then
-    restores `rng_state`, so it continues exactly where the interrupted run stopped, and adds
+    `on_update(epoch, batch_done, update, totals)` runs (checkpointing). A resumed epoch
+    (`start_batch`, `rng_state`) continues exactly where the interrupted run stopped and adds
     to the epoch's `totals` of the batches before. A call that runs no update is an error.
 
-    The losses stay on the device: every `opts.log_every` updates (and before a mid-epoch
-    save, and at the epoch's end) the window's per-update losses are all-reduced in one call
-    and copied to the host in one sync, then checked. A non-finite one raises NonFiniteLoss
-    naming its update, before anything is saved; so the host can queue the next steps while
-    the device works.
+    The losses are checked every `opts.log_every` updates, before a mid-epoch save and at the
+    epoch's end (`_check_losses`: one all-reduce, one host sync), so the host can queue the
+    next steps while the device works, and a NaN/inf stops the run before anything is saved.
     """
-    model.train()
-    scaler = scaler or LossScaler(enabled=False)
-    accum = opts.accum_steps
-    world = dist.get_world_size() if dist.is_initialized() else 1
     total = pipe.batches_per_epoch
     if start_batch >= total:
         raise CheckpointError(f"epoch {epoch} would resume at batch {start_batch}, but it has "
                               f"{total} batches: the checkpoint was saved with other data or "
                               f"batches; set resume_at_epoch_boundary=true to continue from "
                               f"the next epoch boundary")
-    bar = None
-    if opts.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=total, initial=start_batch, desc=f"epoch {epoch}", dynamic_ncols=True,
-                   mininterval=1.0)
-    if start_batch == 0 and rng_state is not None:
-        restore_rng(rng_state)
-    sums = EpochTotals(**vars(totals)) if totals is not None else EpochTotals()
-    time_before, first_update = sums.time_s, update
-    pending = torch.zeros((), device=device)   # the loss of the update being accumulated
-    window = torch.zeros(opts.log_every, device=device)   # losses of the unchecked updates
-    in_window = 0
-    t0 = last_t = time.perf_counter()
-    last_i, last_samples = start_batch, sums.samples
-
-    def check_window(i: int) -> None:
-        """One all-reduce and one host sync for the window's losses; NaN/inf raises."""
-        nonlocal in_window, last_t, last_i, last_samples
-        waiting_for(f"the loss check of epoch {epoch} at update {update}")
-        values = all_reduce_mean(window[:in_window]).tolist()  # every rank stops alike
-        first = update - in_window + 1
-        for j, value in enumerate(values):
-            if not math.isfinite(value):
-                raise NonFiniteLoss(
-                    f"loss is {value} at epoch {epoch}, update {first + j} (found at batch {i} "
-                    f"after {in_window - j - 1} more updates, checked every log_every="
-                    f"{opts.log_every}); stopping without saving. Lower optim.lr, enable "
-                    f"optim.clip_grad, or use amp=bf16 instead of fp16")
-        sums.loss_sum += sum(values)
-        sums.loss_n += len(values)
-        in_window = 0
-        mean = sum(values) / len(values)
-        lr = optimizer.param_groups[0]["lr"]
-        if bar is not None:
-            bar.set_postfix(loss=f"{mean:.4f}", lr=f"{lr:.2e}")
-        if opts.step_lines:
-            now = time.perf_counter()
-            dt, steps = now - last_t, i + 1 - last_i
-            rate = (sums.samples - last_samples) / dt if dt > 0 else 0.0
-            eta = int((total - i - 1) * dt / steps) if steps else 0
-            print(f"[train_imagenet] epoch {epoch} step {i + 1}/{total} loss {mean:.4f} "
-                  f"lr {lr:.2e} img/s {rate:.0f} ETA {eta // 3600}:{eta // 60 % 60:02d}:"
-                  f"{eta % 60:02d}", file=sys.stderr, flush=True)
-            last_t, last_i, last_samples = now, i + 1, sums.samples
+    model.train()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    step = Step(optimizer, scheduler, loss_fn, device, opts, mixup, ema, scaler, world)
+    state = LoopState(epoch, update, start_batch,
+                      EpochTotals(**vars(totals)) if totals is not None else EpochTotals(),
+                      torch.zeros((), device=device), torch.zeros(opts.log_every, device=device))
+    progress = _Progress(epoch, total, state, opts)
+    time_before, t0 = state.totals.time_s, time.perf_counter()
 
     optimizer.zero_grad(set_to_none=True)
-    for i, (x, y, n_skipped) in enumerate(pipe.loader(epoch)):
-        if i >= total:
-            break
-        if i < start_batch:
-            if i == start_batch - 1 and rng_state is not None:
-                restore_rng(rng_state)
+    for batch in _batches(pipe, epoch, start_batch, rng_state):
+        before = state.update
+        state = step(model, batch, state)
+        if state.update == before:
             continue
-        sums.skipped += int(n_skipped)
-        waiting_for(f"the gradient all-reduce of epoch {epoch}, update {update + 1}")
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if mixup is not None:
-            x, y = mixup(x, y)
-        last_micro = (i + 1) % accum == 0
-        sync = last_micro or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        with (nullcontext() if sync else model.no_sync()):
-            with autocast(device, opts.amp):
-                out = model(x)                                           # (B, num_classes)
-                loss = loss_fn(out, y)
-            if opts.nan_at_update and update + 1 == opts.nan_at_update:
-                loss = loss * float("nan")
-            scaled = loss / accum
-            # backward; on the last micro-batch also (unscale,) clip and step the optimizer
-            scaler(scaled, optimizer, clip_grad=opts.clip_grad or None, clip_mode=opts.clip_mode,
-                   parameters=model.parameters(), need_update=last_micro)
-        pending += scaled.detach()
-        sums.samples += x.shape[0] * world
-        if not last_micro:
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        update += 1
-        scheduler.step_update(update)
-        if ema is not None:
-            ema.update(getattr(model, "module", model), step=update)
-        window[in_window] = pending
-        pending.zero_()
-        in_window += 1
-        if bar is not None:
-            bar.update(accum)
-        if in_window == opts.log_every or i + 1 == total or \
-                (opts.save_every and update % opts.save_every == 0):
-            check_window(i)
+        progress.advance(opts.accum_steps)
+        if state.in_window == opts.log_every or state.batch == total or \
+                (opts.save_every and state.update % opts.save_every == 0):
+            progress.show(state, _check_losses(state, opts.log_every), optimizer.param_groups[0]["lr"])
         if on_update is not None:
-            sums.time_s = time_before + time.perf_counter() - t0
-            on_update(i + 1, update, sums)
-    if in_window:  # the loader ended early: check what is left
-        check_window(total - 1)
-    if bar is not None:
-        bar.close()
-    if update == first_update:
+            state.totals.time_s = time_before + time.perf_counter() - t0
+            on_update(epoch, state.batch, state.update, state.totals)
+    if state.in_window:  # the loader ended early: check what is left
+        progress.show(state, _check_losses(state, opts.log_every), optimizer.param_groups[0]["lr"])
+    progress.close()
+    if state.update == update:
         raise DataError(f"epoch {epoch} ran no update (batches {start_batch}..{total - 1} were "
                         f"due, the loader ended first); check data.train")
+    sums = state.totals
     sums.time_s = time_before + time.perf_counter() - t0
     return {"train_loss": sums.loss_sum / max(sums.loss_n, 1), "lr": optimizer.param_groups[0]["lr"],
             "img_per_s": sums.samples / sums.time_s if sums.time_s > 0 else 0.0,
-            "epoch_time_s": sums.time_s, "updates": update, "corrupt_skipped": sums.skipped}
+            "epoch_time_s": sums.time_s, "updates": state.update, "corrupt_skipped": sums.skipped}
 
 
 @torch.no_grad()

@@ -1,5 +1,4 @@
 """The model a config describes: ``timm.create_model`` with its kwargs, checked against the data."""
-import difflib
 from typing import List, Tuple
 
 import timm
@@ -7,6 +6,7 @@ from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 import torch
 
 import dcvit  # noqa: F401  (registers dcvit_* with timm)
+from dcvit.cli import did_you_mean
 
 from .config import Config, ConfigError
 from .finetune import apply_conversion, pretrained_kwargs
@@ -24,9 +24,8 @@ def build_model(cfg: Config, pretrained: bool = True) -> torch.nn.Module:
         raise ConfigError(f"model_kwargs.num_classes={cfg.model_kwargs['num_classes']} differs "
                           f"from data.num_classes={cfg.data.num_classes}; drop it from model_kwargs")
     if not timm.is_model(cfg.model):
-        close = difflib.get_close_matches(cfg.model, timm.list_models(), n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"model={cfg.model!r} is not a timm model{hint}")
+        raise ConfigError(f"model={cfg.model!r} is not a timm model"
+                          f"{did_you_mean(cfg.model, timm.list_models())}")
     load = pretrained_kwargs(cfg) if pretrained and cfg.pretrained else {}
     try:
         model = timm.create_model(cfg.model, num_classes=cfg.data.num_classes,

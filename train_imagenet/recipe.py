@@ -1,15 +1,16 @@
 """What a config makes of a model for training, from timm's parts: the optimizer (linear lr
 scaling, weight decay, parameter groups), the per-update schedule, the loss scaler, mixup and
 the loss. `check_recipe` tries the names on a dummy parameter, before any data is read."""
-import difflib
 import importlib.util
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional
 
 import torch
+from timm.utils import NativeScaler
+
+from dcvit.cli import did_you_mean
 
 from .config import Config, ConfigError
-from .engine import LossScaler
 from .finetune import param_group_fn
 from .mixup import RollMixup
 
@@ -20,7 +21,7 @@ __all__ = ["Recipe", "build_recipe", "check_recipe"]
 class Recipe:
     optimizer: torch.optim.Optimizer
     scheduler: Any                       # a timm scheduler, stepped per update
-    scaler: LossScaler                   # enabled for amp=fp16 only
+    scaler: Optional[NativeScaler]       # timm's loss scaler, for amp=fp16 only
     mixup: Optional[Callable]
     loss_fn: Callable
     lr: float                            # after linear scaling to the global batch
@@ -39,9 +40,8 @@ def check_recipe(cfg: Config) -> None:
     try:
         optimizer = create_optimizer_v2(dummy, opt=cfg.optim.opt, lr=cfg.optim.lr)
     except (ValueError, ImportError) as e:
-        close = difflib.get_close_matches(cfg.optim.opt.lower(), list_optimizers(), n=3)
-        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-        raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer ({e}){hint}") from e
+        raise ConfigError(f"optim.opt={cfg.optim.opt!r} is not a timm optimizer ({e})"
+                          f"{did_you_mean(cfg.optim.opt.lower(), list_optimizers())}") from e
     try:
         create_scheduler_v2(optimizer, sched=cfg.sched.sched, num_epochs=cfg.epochs,
                             step_on_epochs=False, updates_per_epoch=1)
@@ -82,7 +82,8 @@ def build_recipe(cfg: Config, model: torch.nn.Module, batches_per_epoch: int,
                                        warmup_lr=cfg.sched.warmup_lr, min_lr=cfg.sched.min_lr,
                                        cooldown_epochs=cfg.sched.cooldown_epochs,
                                        step_on_epochs=False, updates_per_epoch=updates_per_epoch)
-    scaler = LossScaler(enabled=cfg.amp == "fp16")     # disabled: a plain backward and step
+    # bf16 and fp32 need no loss scale (timm's train.py); fp16 runs on CUDA only (checked first)
+    scaler = NativeScaler(device="cuda") if cfg.amp == "fp16" else None
     a = cfg.aug
     mixup = None
     if a.mixup > 0 or a.cutmix > 0:

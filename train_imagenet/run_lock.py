@@ -43,7 +43,7 @@ class RunLock:
             os.close(fd)
             if e.errno in (errno.EACCES, errno.EAGAIN):
                 raise RunDirError(f"output_dir={os.path.dirname(self.path)!r} is in use by another "
-                                  f"run ({self._holder()}); wait for it to end or stop it, or set "
+                                  f"run ({self.holder()}); wait for it to end or stop it, or set "
                                   f"another output_dir") from None
             _logger.warning("cannot lock %s (%s): this file system has no locks, so nothing stops "
                             "a second run in the same output_dir", self.path, e)
@@ -55,7 +55,9 @@ class RunLock:
         self.fd = fd
         return self
 
-    def _holder(self) -> str:
+    def holder(self) -> str:
+        """Who holds the lock, in words: the process id, host and start time the holder
+        wrote (read from the file; call it after `acquire` failed, never while holding)."""
         try:
             with open(self.path) as f:  # only read when not holding: closing drops our own lock
                 info = json.load(f)

@@ -1,6 +1,6 @@
-"""Where training starts: on from a run's checkpoint (``resume``: model, optimizer, schedule,
-scaler, position and RNG states, its architecture checked) or from weights (``checkpoint=``:
-a checkpoint of this package, a ``.safetensors`` or a ``.pth`` state dict).
+"""Where training starts: on from a run's checkpoint (``resume``: model, optimizer, scaler,
+position and RNG states, its architecture checked) or from weights (``checkpoint=``: a
+checkpoint of this package, a ``.safetensors`` or a ``.pth`` state dict).
 
 A checkpoint's position (epoch, batch, update) means something only for the run that saved
 it: the batch index counts batches of its data order (the train data, the batch size per
@@ -8,6 +8,11 @@ process, the accumulation and the world size) and the update count places it on 
 schedule. Every checkpoint records them (`position_of`); a resume that changes them is
 refused before anything is loaded, unless ``resume_at_epoch_boundary=true`` asks to continue
 from the checkpoint's next epoch boundary with this run's data and schedule.
+
+The learning-rate schedule is always this config's, placed at the checkpoint's update (as
+timm's train.py does): a resume with another ``epochs`` (or ``sched.*``, ``optim.lr``)
+follows the new schedule from there and says so; one whose ``epochs`` end before the
+checkpoint's position is refused.
 """
 import os
 import zipfile
@@ -17,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .checkpoint import CheckpointError, check_arch, load_checkpoint, load_error, load_model_weights
-from .config import Config
+from .config import Config, config_to_dict
 from .data import is_remote, resolve_source
 from .distributed import DistInfo, log_main
 from .engine import EpochTotals
@@ -95,6 +100,20 @@ def _position_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
     return changes
 
 
+def _schedule_changes(saved: Optional[Dict[str, Any]], cfg: Config) -> List[str]:
+    """The settings of the learning-rate schedule (``epochs``, ``optim.lr``, ``sched.*``)
+    that differ from those of the checkpoint's config `saved`, in words."""
+    if not saved:
+        return []
+    now = config_to_dict(cfg)
+    pairs = [("epochs", saved.get("epochs"), now["epochs"]),
+             ("optim.lr", saved.get("optim", {}).get("lr"), now["optim"]["lr"])]
+    pairs += [(f"sched.{k}", v, now["sched"][k]) for k, v in saved.get("sched", {}).items()
+              if k in now["sched"]]
+    return [f"{key} {old!r} -> {new!r}" for key, old, new in pairs
+            if old is not None and old != new]
+
+
 def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Optional[Dict[str, Any]]:
     """Loads `checkpoint=PATH` into `model`; returns the checkpoint dict when PATH is one this
     package saved (its architecture is checked, its EMA weights kept), else None.
@@ -146,7 +165,7 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
     that epoch's on this run's schedule (`updates_per_epoch`), the RNG streams fresh."""
     if path:
         state = state or load_checkpoint(path)
-        missing = [k for k in ("model", "optimizer", "scheduler", "epoch", "batch", "update")
+        missing = [k for k in ("model", "optimizer", "epoch", "batch", "update")
                    if k not in state]
         if missing:
             raise CheckpointError(f"resume={path!r} is not a training checkpoint (no "
@@ -165,12 +184,18 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
         if "position" not in state:
             log_main(info, f"{path} does not record its data and batch size (saved by an older "
                            f"version): they are not checked")
+        epoch = state["epoch"] + (1 if changes and state["batch"] else 0)   # where it starts
+        needed = epoch + (1 if state["batch"] else 0)   # a mid-epoch start needs that epoch
+        if cfg.epochs < needed:
+            raise CheckpointError(
+                f"resume={path!r} is at epoch {state['epoch']}, batch {state['batch']}: this "
+                f"run's epochs={cfg.epochs} end before it; set epochs={needed} or more to "
+                f"continue it (or evaluate it with --eval-only checkpoint={path})")
         load_model_weights(model, state["model"], path)
         recipe.optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler"):
+        if state.get("scaler") and recipe.scaler is not None:
             recipe.scaler.load_state_dict(state["scaler"])
         if changes:   # resume_at_epoch_boundary: this run's schedule, from the next boundary
-            epoch = state["epoch"] + (1 if state["batch"] else 0)
             start = Start(epoch, 0, epoch * updates_per_epoch, None, path, state)
             log_main(info, f"resume_at_epoch_boundary=true: {path} was saved with other "
                            f"settings ({'; '.join(changes)}); continuing from the start of "
@@ -179,7 +204,15 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
                            + (f"; the rest of epoch {state['epoch']} is skipped"
                               if state["batch"] else ""))
             return start
-        recipe.scheduler.load_state_dict(state["scheduler"])
+        schedule = _schedule_changes(state.get("config"), cfg)
+        if schedule:
+            saved_lr = recipe.optimizer.param_groups[0]["lr"]
+            recipe.scheduler.step_update(state["update"])
+            log_main(info, f"{path} was saved on another learning-rate schedule "
+                           f"({'; '.join(schedule)}): continuing on this config's schedule from "
+                           f"update {state['update']}, where the learning rate is "
+                           f"{recipe.optimizer.param_groups[0]['lr']:.3g} "
+                           f"(it was {saved_lr:.3g} at the save)")
         rngs = state.get("rng") or []
         totals = state.get("totals")
         start = Start(state["epoch"], state["batch"], state["update"],

@@ -7,7 +7,7 @@ and an epoch's checkpoint carries the epoch's train record, which a run resumed 
 evaluates (when due) and logs if the interrupted run did not get to."""
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -23,9 +23,9 @@ from .recipe import build_recipe
 from .results import evaluate_both, write_epoch_results, write_results
 from .start import arch_of, load_start_weights, position_of, start_training
 
-__all__ = ["train", "evaluate_checkpoint", "write_config", "CRASH_EXIT_CODE"]
+__all__ = ["train", "evaluate_checkpoint", "write_config"]
 
-CRASH_EXIT_CODE = 17
+Results = Tuple[Dict[str, float], Optional[Dict[str, float]]]   # metrics, the EMA's metrics
 
 
 def write_config(cfg: Config, info: DistInfo) -> None:
@@ -77,7 +77,8 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
                     "model": model.state_dict(), "ema": ema.module.state_dict() if ema else None,
                     "optimizer": recipe.optimizer.state_dict(),
                     "scheduler": recipe.scheduler.state_dict(),
-                    "scaler": recipe.scaler.state_dict() or None, "epoch": epoch_, "batch": batch_,
+                    "scaler": recipe.scaler.state_dict() if recipe.scaler else None,
+                    "epoch": epoch_, "batch": batch_,
                     "update": update_, "rng": [g[0] for g in gathered], "arch": arch_of(cfg),
                     "config": config_to_dict(cfg), "position": position,
                     "totals": totals.to_saved([g[1] for g in gathered]) if totals else None,
@@ -92,20 +93,16 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
             raise result
         return result
 
-    current_epoch = [start.epoch]
-
-    def on_update(batch_done: int, update_: int, totals: EpochTotals) -> None:
+    def on_update(epoch_: int, batch_done: int, update_: int, totals: EpochTotals) -> None:
+        """The mid-epoch checkpoints (the epoch's last update is saved with its record)."""
         if cfg.save_every_steps and update_ % cfg.save_every_steps == 0 \
                 and batch_done < train_data.batches_per_epoch:
-            save(current_epoch[0], batch_done, update_, totals)
-        if cfg.debug.crash_at_step == update_ and not start.resumed_from:
-            log_main(info, f"debug.crash_at_step={update_}: exiting hard (simulated failure)")
-            os._exit(CRASH_EXIT_CODE)
+            save(epoch_, batch_done, update_, totals)
 
     write_config(cfg, info)
     runlog = RunLog(run_dir, info.is_main, cfg.tensorboard)
     opts = StepOptions(accum_steps=cfg.accum_steps, clip_grad=cfg.optim.clip_grad,
-                       clip_mode=cfg.optim.clip_mode, amp=cfg.amp, nan_at_update=cfg.debug.nan_at_step,
+                       clip_mode=cfg.optim.clip_mode, amp=cfg.amp,
                        progress=info.is_main and sys.stderr.isatty(),
                        step_lines=info.is_main and not sys.stderr.isatty(), log_every=cfg.log_every,
                        save_every=cfg.save_every_steps)
@@ -113,27 +110,28 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
                    f"{train_data.num_samples} train / {val.num_samples} val samples, "
                    f"{train_data.batches_per_epoch} batches/epoch/rank, global batch "
                    f"{recipe.global_batch}, lr {recipe.lr:.3g}")
-    metrics: Dict[str, float] = {}
-    ema_metrics: Optional[Dict[str, float]] = None
+    results: Optional[Results] = None        # the latest evaluation
     epoch, start_batch, update, rng_state = start.epoch, start.batch, start.update, start.rng_state
     totals = start.totals
     last_path = start.resumed_from
 
-    def finish_epoch(record: Dict[str, Any]) -> None:
-        """Evaluates the epoch just trained (when due) and logs its record."""
-        nonlocal metrics, ema_metrics
-        done = record["epoch"] + 1
+    def finish_epoch(record: Dict[str, Any], checkpoint: str) -> Optional[Results]:
+        """Evaluates the epoch just trained when due (returns the metrics and the EMA's, else
+        None) and logs its record; `checkpoint` holds the evaluated weights."""
+        done, evaluated = record["epoch"] + 1, None
         if done % cfg.eval_every == 0 or done == cfg.epochs or done in cfg.eval_epochs:
             waiting_for(f"the evaluation after epoch {record['epoch']}")
-            metrics, ema_metrics = evaluate_both(cfg, model, ema, val, device)
+            evaluated = evaluate_both(cfg, model, ema, val, device)
+            metrics, ema_metrics = evaluated
             record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
             if ema_metrics is not None:
                 record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
-            write_epoch_results(cfg, info, done, metrics, ema_metrics, last_path)
+            write_epoch_results(cfg, info, done, metrics, ema_metrics, checkpoint)
         record["peak_mem_mb"] = peak_memory_mb(device)
         runlog.epoch(record)
         log_main(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                 for k, v in record.items()))
+        return evaluated
 
     pending = start.state.get("record") if start.state and start_batch == 0 else None
     if pending is not None and pending.get("epoch") == epoch - 1:
@@ -141,9 +139,8 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
         if not broadcast_object(runlog.has_epoch(pending["epoch"]) if info.is_main else None):
             log_main(info, f"epoch {pending['epoch']} was saved but not logged (the run stopped "
                            f"before): evaluating and logging it now")
-            finish_epoch(dict(pending))
+            results = finish_epoch(dict(pending), last_path)
     for epoch in range(epoch, cfg.epochs):
-        current_epoch[0] = epoch
         try:
             stats = train_one_epoch(
                 train_model, train_data, epoch, optimizer=recipe.optimizer,
@@ -165,15 +162,15 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
             log_main(info, f"epoch {epoch}: skipped {total_skipped} corrupt samples")
         # saved before evaluating, with the record: a stop during evaluation loses nothing
         last_path = save(epoch + 1, 0, update, record=record) or last_path
-        finish_epoch(record)
-    if not metrics and start.resumed_from and epoch >= cfg.epochs:
+        results = finish_epoch(record, last_path) or results
+    if results is None and start.resumed_from and epoch >= cfg.epochs:
         # resumed from the final checkpoint, its record logged but eval.json not written
         waiting_for(f"the final evaluation of {start.resumed_from}")
-        metrics, ema_metrics = evaluate_both(cfg, model, ema, val, device)
-        log_main(info, f"final evaluation of {start.resumed_from}: top1 {metrics['top1']:.2f}")
+        results = evaluate_both(cfg, model, ema, val, device)
+        log_main(info, f"final evaluation of {start.resumed_from}: top1 {results[0]['top1']:.2f}")
     runlog.close()
-    if metrics:
-        write_results(cfg, info, metrics, ema_metrics, last_path)
+    if results is not None:
+        write_results(cfg, info, *results, last_path)
     return 0
 
 

@@ -1,5 +1,4 @@
 """Which model is counted, with which options, against which baseline."""
-import difflib
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
@@ -8,7 +7,7 @@ import timm
 from torch import nn
 
 from ..attention import DCMHAOptions
-from ..cli import parse_kwargs
+from ..cli import did_you_mean, parse_kwargs
 from ..models import DCVIT_MODELS
 
 __all__ = ["ReportError", "ModelSpec", "check_model_name", "parse_model_kwargs", "DEFAULT_MODELS"]
@@ -95,11 +94,10 @@ def check_model_name(name: str) -> None:
     """Raise `ReportError` listing close matches if timm does not know ``name``."""
     if timm.is_model(name):
         return
-    known = timm.list_models()
-    close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
     stem = re.split(r"[_\d]", name, maxsplit=1)[0] or name
-    close += [m for m in timm.list_models(f"*{stem}*") if m not in close][:max(0, 8 - len(close))]
-    hint = f"; close matches: {', '.join(close)}" if close else ""
+    # the closest names, else the names holding its first word, the closest first
+    hint = did_you_mean(name, timm.list_models(), n=5) or \
+        did_you_mean(name, timm.list_models(f"*{stem}*"), n=8, cutoff=0)
     raise ReportError(f"unknown model {name!r}{hint} (list them with timm.list_models('*{stem}*'))")
 
 
