@@ -119,13 +119,16 @@ def test_merged_matrices_equal_compose(rank, branches):
     (dict(dynamic_proj=False, dynamic_gate=False, static_proj=True), (None, None, None, None)),
 ])
 def test_compose_slots_follow_the_options(options, slots):
-    """One ComposeSlots per layer: the slot of each (stage, side) on the dynamic weights' axis."""
+    """One ComposeSlots per layer: the slot of each (stage, side) on the dynamic weights' axis,
+    and the plain fields the forward reads, taken from it once at construction."""
     layer = dcvit.DCMHA(24, 3, **options)
     assert tuple(layer.slots) == slots
     count = 0 if layer.dynamic_weights is None else layer.dynamic_weights.num_slots
     assert layer.slots.count == count == sum(s is not None for s in slots)
     assert layer.slots.stage("post") == slots[2:]
     assert layer.slots.query_slots == [s for s in (slots[0], slots[2]) if s is not None]
+    assert (layer.pre_slots, layer.post_slots) == (slots[:2], slots[2:])
+    assert layer.identity_slots == layer.slots.query_slots
 
 
 # ------------------------------------------------------------------- layer vs reference
