@@ -2,6 +2,8 @@
 how ``$DCVIT_CPU_ISA`` forces one, and that each build the CPU can run computes the attention
 core of docs/spec.md §1.1 as the same formula evaluated in float64.
 
+Also: the kernels' head limit has one source.
+
 The build this machine picks runs in-process (default tier); every other build the CPU
 supports (AVX2 and generic on an AVX-512 machine) is built and checked in a subprocess of
 its own (slow tier: about 45 s of compiler time each, once per machine and source), since a
@@ -61,6 +63,26 @@ def test_each_isa_has_its_own_library(monkeypatch):
     assert "avx" not in names["generic"]
 
 
+def test_max_heads_has_one_source(monkeypatch):
+    """The kernels are built with the Python side's MAX_HEADS (a define, part of the build's
+    name): the loaded operators take that many heads and refuse one more themselves."""
+    assert compose_cpu.load(), "the C++ kernels did not build"
+    H = compose_cpu.MAX_HEADS
+    for heads in (H, H + 1):
+        q = torch.randn(1, heads, 3, 2)
+        mq = torch.eye(heads).expand(1, 3, heads, heads)
+        if heads == H:
+            out = torch.ops.dcvit_cpu.attention_forward(q, q, q, None, mq, None, None, None, 1.0)
+            torch.testing.assert_close(out.transpose(1, 2), torch.softmax(q @ q.transpose(-1, -2), -1) @ q)
+        else:
+            with pytest.raises(RuntimeError, match=f"at most {H} heads, got {H + 1}"):
+                torch.ops.dcvit_cpu.attention_forward(q, q, q, None, mq, None, None, None, 1.0)
+    name = compose_cpu._library_name(True)
+    monkeypatch.setattr(compose_cpu, "MAX_HEADS", H // 2)
+    assert f"-DDCVIT_MAX_HEADS={H // 2}" in compose_cpu._defines()
+    assert compose_cpu._library_name(True) != name
+
+
 def _reference(q, k, v, mask, mats, scale):
     """The core in float64 as docs/spec.md §1.1 writes it: (B, T, H, D)."""
     mq1, mk1, mq2, mk2 = mats
@@ -93,7 +115,8 @@ def _check_kernels():
         for dtype, tol in ((torch.float32, 1e-4), (torch.float64, 1e-10)):
             c = [t.to(dtype) for t in (q, k, v, mask, *mats)]
             out = torch.ops.dcvit_cpu.attention_forward(*c, D ** -0.5)
-            grads = torch.ops.dcvit_cpu.attention_backward(up.to(dtype).transpose(1, 2), *c, D ** -0.5)
+            grads = torch.ops.dcvit_cpu.attention_backward(up.to(dtype).transpose(1, 2), *c, D ** -0.5,
+                                                           [True] * 4)
             for name, got, want in [("out", out, ref)] + list(zip(
                     ["dq", "dk", "dv", "dmq1", "dmk1", "dmq2", "dmk2"], grads, ref_grads)):
                 err = (got.double() - want).abs().max().item() / want.abs().max().item()

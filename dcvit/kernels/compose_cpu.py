@@ -20,11 +20,12 @@ machine; a process loads one of them (the operators are registered once).
 Operators (float32 and float64 CPU tensors; see ``csrc/compose_cpu.cpp``), each one call::
 
     dcvit_cpu::attention_forward(q, k, v, mask?, mq1?, mk1?, mq2?, mk2?, scale) -> out (B, T, H, D)
-    dcvit_cpu::attention_backward(grad, q, k, v, mask?, mq1?, ..., scale) -> [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
+    dcvit_cpu::attention_backward(grad, q, k, v, mask?, mq1?, ..., scale, want) -> [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
     dcvit_cpu::slot_matrices(w, dd?, identity_slots, eps) -> m
     dcvit_cpu::slot_matrices_backward(w, dm, with_gate, eps) -> [dw, ddd]
 
-(an empty tensor stands for an absent side's gradient). They are the CPU kernels behind the
+(an empty tensor stands for an absent side's gradient, and for a matrix gradient that
+``want``, four flags, says is not needed: it is not computed). They are the CPU kernels behind the
 custom ops of `dcvit.fused` and `dcvit.matrices`, which own the autograd and fake-tensor
 rules; a CUDA kernel plugs into those ops the same way (see `dcvit.fused.register_core`).
 
@@ -47,7 +48,9 @@ import torch
 
 __all__ = ["load", "available", "isa", "ISAS", "MAX_HEADS"]
 
-MAX_HEADS = 64   # kMaxHeads of csrc/rows.h: `dcvit.fused` runs more heads on its 'compile' core
+# The most heads the kernels take (`dcvit.fused` runs more on its 'compile' core): the one
+# source of csrc/rows.h's kMaxHeads, which is built with -DDCVIT_MAX_HEADS=MAX_HEADS.
+MAX_HEADS = 64
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
@@ -141,13 +144,23 @@ def _source_files() -> Dict[str, bytes]:
             if f.endswith((".h", ".cpp"))}
 
 
-def _library_name(openmp: bool) -> str:
-    """One build (directory and library) per threading and vector-flag variant and per source
-    text: checkouts with the same sources share it."""
-    text = hashlib.sha1(b"".join(n.encode() + b"\0" + d for n, d in _source_files().items()))
+def _defines() -> List[str]:
+    """The constants the Python side gives the sources (one source for both)."""
+    return [f"-DDCVIT_MAX_HEADS={MAX_HEADS}"]
+
+
+def _variant(openmp: bool) -> str:
+    """The threading and vector-flag variant of a build: ``dcvit_cpu_omp_avx512``, ..."""
     tag = isa()
-    return ("dcvit_cpu_" + ("omp" if openmp else "threads") + ("" if tag == "generic" else "_" + tag)
-            + "_" + text.hexdigest()[:10])
+    return "dcvit_cpu_" + ("omp" if openmp else "threads") + ("" if tag == "generic" else "_" + tag)
+
+
+def _library_name(openmp: bool) -> str:
+    """One build (directory and library) per variant and per source text and defines:
+    checkouts with the same sources share it."""
+    text = hashlib.sha1(b"".join(n.encode() + b"\0" + d for n, d in _source_files().items())
+                        + "\0".join(_defines()).encode())
+    return _variant(openmp) + "_" + text.hexdigest()[:10]
 
 
 def _sources_in(build_dir: str) -> str:
@@ -191,14 +204,15 @@ def _build_and_load(openmp: bool) -> None:
         logger.setLevel(level)
     name = _library_name(openmp)
     build_dir = _private_dir(os.path.join(_private_dir(cache_dir()), name))
-    library = os.path.join(build_dir, name + ".so")
-    _check_owned(library)
-    if not os.path.exists(library):
-        sys.stderr.write(f"dcvit: building the C++ attention kernels into {build_dir} "
-                         "(once per machine and source, about a minute)\n")
-    src = _sources_in(build_dir)
-    cflags = ["-O3", "-fno-trapping-math", "-fopenmp" if openmp else "-fopenmp-simd", "-pthread"] + _cpu_flags()
+    cflags = (["-O3", "-fno-trapping-math", "-fopenmp" if openmp else "-fopenmp-simd", "-pthread"]
+              + _cpu_flags() + _defines())
     with _ninja_on_path():
+        library = os.path.join(build_dir, name + ".so")
+        _check_owned(library)
+        if not os.path.exists(library):
+            sys.stderr.write(f"dcvit: building the C++ attention kernels into {build_dir} "
+                             "(once per machine and source, about a minute)\n")
+        src = _sources_in(build_dir)
         cpp_extension.load(name=name, sources=[os.path.join(src, "compose_cpu.cpp")], extra_include_paths=[src],
                            extra_cflags=cflags, extra_ldflags=["-fopenmp"] if openmp else ["-pthread"],
                            build_directory=build_dir, is_python_module=False, verbose=False)
