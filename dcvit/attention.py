@@ -26,7 +26,7 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .cli import did_you_mean
-from .compose import compose_unchecked
+from .functional import compose_unchecked
 from .export_core import export_core
 from .fused import composed_attention, composed_attention_compile, select_impl
 from .matrices import (ComposeMatrices, ComposeSlots, compose_stage_macs, rms_normalize,
