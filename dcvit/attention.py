@@ -388,9 +388,8 @@ class DCMHA(nn.Module):
         init_compose(self, dim, num_heads, self.options, **dd)
 
     def _slot(self, w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
-              slots: Tuple[Optional[int], Optional[int]]) -> ComposeWeights:
-        """One stage's arguments of `compose` from the dynamic weights and its (query, key) slots."""
-        q_slot, k_slot = slots
+              q_slot: Optional[int], k_slot: Optional[int]) -> ComposeWeights:
+        """One stage's arguments of `compose` from the dynamic weights and its slots."""
         qw1: Optional[Tensor] = None
         qw2: Optional[Tensor] = None
         kw1: Optional[Tensor] = None
@@ -439,12 +438,12 @@ class DCMHA(nn.Module):
         N = q.shape[2]
         attn = (q * self.scale) @ k.transpose(-2, -1)                            # (B, H, N, N)
         if self.pre_compose is not None:
-            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.pre_slots)
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.pre_slots[0], self.pre_slots[1])
             attn = self.pre_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
         attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
         attn = attn.softmax(dim=-1)
         if self.post_compose is not None:
-            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.post_slots)
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.post_slots[0], self.post_slots[1])
             attn = self.post_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
         attn = self.attn_drop(attn)
         return attn @ v                                                          # (B, H, N, D)
