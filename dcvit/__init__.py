@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, List
 
 from . import bigvision as _bigvision  # noqa: F401  (registers *_patch16_bv_224 with timm)
 from . import models as _models  # noqa: F401  (registers dcvit_* with timm)
-from .compose import compose  # the maths (torch only); binds dcvit.compose to the function, not the module
+from .functional import compose  # the maths (torch only)
 
 __version__ = "0.1.0"
 

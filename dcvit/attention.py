@@ -26,7 +26,7 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .cli import did_you_mean
-from .compose import compose_unchecked
+from .functional import compose_unchecked
 from .export_core import export_core
 from .fused import composed_attention, composed_attention_compile, select_impl
 from .matrices import (ComposeMatrices, ComposeSlots, compose_stage_macs, rms_normalize,
@@ -307,11 +307,17 @@ def init_compose(layer: nn.Module, dim: int, num_heads: int, options: DCMHAOptio
                  device=None, dtype=None) -> None:
     """Give ``layer`` DCMHA's own parts for input width ``dim``: ``dynamic_weights``,
     ``pre_compose``, ``post_compose`` (each None when ``options`` do not use it), ``slots``
+    (with ``pre_slots``, ``post_slots`` and ``identity_slots`` read from it once, here)
     and ``attn_impl``, the attention core it runs: "auto" (by device, dtype and context) or
     one of dcvit.fused.IMPLS to force it (``dcvit.fused.attention_impl(...)`` overrides all)."""
     dd = {"device": device, "dtype": dtype}
     o = layer.options = options
     layer.slots = o.slots
+    # What the forward reads of the slots, as plain fields (ints and tuples, which torch <
+    # 2.5's dynamo reads where it cannot call ComposeSlots' methods): each stage's (query,
+    # key) slots and the query-side slots, whose matrices carry the identity.
+    layer.pre_slots, layer.post_slots = o.slots.stage("pre"), o.slots.stage("post")
+    layer.identity_slots = o.slots.query_slots
     layer.dynamic_weights = DynamicWeights(
         dim, num_heads, layer.slots.count, o.rank, o.dynamic_proj, o.dynamic_gate, o.dynamic_act,
         float(o.dynamic_drop), **dd) if layer.slots.count else None
@@ -336,7 +342,9 @@ class DCMHA(nn.Module):
     applied after pre-compose, before softmax.
     """
 
-    slots: ComposeSlots   # (TorchScript reads the attribute's type from here)
+    slots: ComposeSlots   # (TorchScript reads the attributes' types from here)
+    pre_slots: Tuple[Optional[int], Optional[int]]
+    post_slots: Tuple[Optional[int], Optional[int]]
 
     def __init__(
             self,
@@ -430,12 +438,12 @@ class DCMHA(nn.Module):
         N = q.shape[2]
         attn = (q * self.scale) @ k.transpose(-2, -1)                            # (B, H, N, N)
         if self.pre_compose is not None:
-            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.slots.pre_q, self.slots.pre_k)
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.pre_slots[0], self.pre_slots[1])
             attn = self.pre_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
         attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
         attn = attn.softmax(dim=-1)
         if self.post_compose is not None:
-            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.slots.post_q, self.slots.post_k)
+            qw1, qw2, kw1, kw2, qdd, kdd = self._slot(w1, w2, dd, self.post_slots[0], self.post_slots[1])
             attn = self.post_compose(attn, qw1, qw2, kw1, kw2, qdd, kdd)
         attn = self.attn_drop(attn)
         return attn @ v                                                          # (B, H, N, D)
@@ -456,14 +464,12 @@ class DCMHA(nn.Module):
         mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)               # additive or None
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         with torch.autocast(q.device.type, enabled=False):
-            # (the slots' fields, not ComposeSlots' properties: torch < 2.5's dynamo cannot call those)
-            identity = [g for g in (self.slots.pre_q, self.slots.post_q) if g is not None]
             if w is not None:
-                m = slot_matrices_from_projections(w, dd, identity, dtype)       # (B, N, G, H, H)
+                m = slot_matrices_from_projections(w, dd, self.identity_slots, dtype)   # (B, N, G, H, H)
             else:
-                m = slot_matrices(None, None, dd, identity, dtype)
-            mats = ComposeMatrices(*self._matrices(self.pre_compose, m, "pre", dtype, q.device),
-                                   *self._matrices(self.post_compose, m, "post", dtype, q.device))
+                m = slot_matrices(None, None, dd, self.identity_slots, dtype)
+            mats = ComposeMatrices(*self._matrices(self.pre_compose, m, self.pre_slots, dtype, q.device),
+                                   *self._matrices(self.post_compose, m, self.post_slots, dtype, q.device))
         if impl != "compile":
             return composed_attention(q, k, v, mask, mats, impl, self.scale, self.compose_macs)
         if dropout:          # the weights, dropped out (in the reference's memory order), then @ v
@@ -472,13 +478,13 @@ class DCMHA(nn.Module):
         return composed_attention_compile(q, k, v, mask, mats, self.scale)
 
     @torch.jit.unused
-    def _matrices(self, stage: Optional[Compose], slots: Optional[Tensor], name: str,
-                  dtype: torch.dtype, device: torch.device) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    def _matrices(self, stage: Optional[Compose], m: Optional[Tensor],
+                  slots: Tuple[Optional[int], Optional[int]], dtype: torch.dtype,
+                  device: torch.device) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+        """One stage's ``(mq, mk)`` from every slot's matrix ``m`` and the stage's slots."""
         if stage is None:
             return None, None
-        q_slot, k_slot = ((self.slots.pre_q, self.slots.pre_k) if name == "pre"
-                          else (self.slots.post_q, self.slots.post_k))        # as ComposeSlots.stage
-        return stage_matrices(slots, q_slot, k_slot, stage.static, self.num_heads, dtype, device)
+        return stage_matrices(m, slots[0], slots[1], stage.static, self.num_heads, dtype, device)
 
     @torch.jit.unused
     def as_mha(self) -> Attention:

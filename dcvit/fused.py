@@ -420,8 +420,9 @@ def _cpp_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Tuple[Tensor, None
 
 def _cpp_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, scale, want) -> List[Optional[Tensor]]:
     _cpp_check(q, k, v)
-    grads = torch.ops.dcvit_cpu.attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale)
-    return [None if t is None else g for g, t in zip(grads, (q, k, v, mq1, mk1, mq2, mk2))]
+    grads = torch.ops.dcvit_cpu.attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale, want)
+    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), want))
+    return [None if t is None else g for g, t in zip(grads, wanted)]
 
 
 register_core("cpu", "cpp", _cpp_forward, _cpp_backward)

@@ -26,7 +26,7 @@ __all__ = ["Edge", "edges", "summary", "main"]
 
 class Edge(NamedTuple):
     source: str      # importing module, e.g. 'dcvit.attention'
-    target: str      # imported project module, e.g. 'dcvit.compose'
+    target: str      # imported project module, e.g. 'dcvit.functional'
     deferred: bool   # inside a function: runs on first use, not at import
 
 

@@ -2,6 +2,9 @@
 how ``$DCVIT_CPU_ISA`` forces one, and that each build the CPU can run computes the attention
 core of docs/spec.md §1.1 as the same formula evaluated in float64.
 
+Also: the kernels' head limit has one source, and the cache keeps the current build of
+each variant, removing other sources' builds only when they are stale.
+
 The build this machine picks runs in-process (default tier); every other build the CPU
 supports (AVX2 and generic on an AVX-512 machine) is built and checked in a subprocess of
 its own (slow tier: about 45 s of compiler time each, once per machine and source), since a
@@ -10,6 +13,7 @@ process registers the ``dcvit_cpu`` operators once.
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -61,6 +65,100 @@ def test_each_isa_has_its_own_library(monkeypatch):
     assert "avx" not in names["generic"]
 
 
+def test_max_heads_has_one_source(monkeypatch):
+    """The kernels are built with the Python side's MAX_HEADS (a define, part of the build's
+    name): the loaded operators take that many heads and refuse one more themselves."""
+    assert compose_cpu.load(), "the C++ kernels did not build"
+    H = compose_cpu.MAX_HEADS
+    for heads in (H, H + 1):
+        q = torch.randn(1, heads, 3, 2)
+        mq = torch.eye(heads).expand(1, 3, heads, heads)
+        if heads == H:
+            out = torch.ops.dcvit_cpu.attention_forward(q, q, q, None, mq, None, None, None, 1.0)
+            torch.testing.assert_close(out.transpose(1, 2), torch.softmax(q @ q.transpose(-1, -2), -1) @ q)
+        else:
+            with pytest.raises(RuntimeError, match=f"at most {H} heads, got {H + 1}"):
+                torch.ops.dcvit_cpu.attention_forward(q, q, q, None, mq, None, None, None, 1.0)
+    name = compose_cpu._library_name(True)
+    monkeypatch.setattr(compose_cpu, "MAX_HEADS", H // 2)
+    assert f"-DDCVIT_MAX_HEADS={H // 2}" in compose_cpu._defines()
+    assert compose_cpu._library_name(True) != name
+
+
+def _build(cache, name, days_unused=None, days_unread=30):
+    """A fake build directory ``name`` in ``cache``, its stamp dated ``days_unused`` ago (None:
+    no stamp, as a build from before stamps), its library last read ``days_unread`` ago."""
+    path = cache / name
+    path.mkdir(mode=0o700)
+    library = path / (name + ".so")
+    library.write_bytes(b"")
+    past = time.time() - days_unread * 86400
+    os.utime(library, (past, past))
+    if days_unused is not None:
+        stamp = path / compose_cpu.USED
+        stamp.touch()
+        past = time.time() - days_unused * 86400
+        os.utime(stamp, (past, past))
+    return path
+
+
+def test_prune_removes_only_stale_builds_of_other_sources(monkeypatch, tmp_path):
+    """Builds of the current variant from other sources go once unused for STALE_DAYS; the
+    current build, recent ones (another install used in turn; one without stamps whose
+    library was read), one held by a process, other instruction sets and threading
+    variants, other users' and non-builds stay."""
+    import fcntl
+    monkeypatch.setenv("DCVIT_KERNEL_CACHE", str(tmp_path))
+    days = compose_cpu.STALE_DAYS
+    current = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "a" * 10, days + 30)
+    stale = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "b" * 10, days + 1)
+    recent = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "c" * 10, days - 1)
+    read = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "0" * 10, days + 1, days_unread=1)   # by an old version
+    unstamped = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "d" * 10)
+    held = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "e" * 10, days + 1)
+    foreign = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "f" * 10, days + 1)
+    kept = [current, recent, read, unstamped, held, foreign,
+            _build(tmp_path, "dcvit_cpu_omp_avx2_" + "b" * 10, days + 1),
+            _build(tmp_path, "dcvit_cpu_threads_avx512_" + "b" * 10, days + 1),
+            _build(tmp_path, "dcvit_cpu_omp_" + "b" * 10, days + 1),
+            _build(tmp_path, "dcvit_cpu_omp_avx512_notes", days + 1)]
+    owner = compose_cpu._owner
+    monkeypatch.setattr(compose_cpu, "_owner", lambda p: os.getuid() + 1 if p == str(foreign) else owner(p))
+    with open(held / compose_cpu.USED) as f:
+        fcntl.flock(f, fcntl.LOCK_SH)                   # as a process that loads it holds it
+        assert compose_cpu._prune(current.name) == [str(stale)]
+    assert not stale.exists() and all(p.is_dir() for p in kept)
+    assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in kept)
+    assert (unstamped / compose_cpu.USED).exists()     # its unused days count from now
+    assert compose_cpu._prune(current.name) == [str(held)]   # released, it goes too
+
+
+def test_loading_dates_the_stamp_and_prunes(monkeypatch, tmp_path):
+    """`load` holds its build while building and loading it, dates its stamp, then removes
+    stale builds of other sources (the compiler is replaced: nothing is built here)."""
+    from torch.utils import cpp_extension
+    monkeypatch.setenv("DCVIT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(compose_cpu, "_state", {})
+    monkeypatch.setattr(compose_cpu, "_shares_torch_openmp", lambda: False)
+    name = compose_cpu._library_name(False)
+    current = _build(tmp_path, name, compose_cpu.STALE_DAYS + 1)
+    stale = _build(tmp_path, name[:-10] + "0" * 10, compose_cpu.STALE_DAYS + 1)
+    held = []
+
+    def fake_load(build_directory, **kwargs):
+        import fcntl
+        with open(os.path.join(build_directory, compose_cpu.USED)) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.append(True)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert compose_cpu.load() is True
+    assert held == [True] and not stale.exists()
+    assert time.time() - os.stat(current / compose_cpu.USED).st_mtime < 60
+
+
 def _reference(q, k, v, mask, mats, scale):
     """The core in float64 as docs/spec.md §1.1 writes it: (B, T, H, D)."""
     mq1, mk1, mq2, mk2 = mats
@@ -93,7 +191,8 @@ def _check_kernels():
         for dtype, tol in ((torch.float32, 1e-4), (torch.float64, 1e-10)):
             c = [t.to(dtype) for t in (q, k, v, mask, *mats)]
             out = torch.ops.dcvit_cpu.attention_forward(*c, D ** -0.5)
-            grads = torch.ops.dcvit_cpu.attention_backward(up.to(dtype).transpose(1, 2), *c, D ** -0.5)
+            grads = torch.ops.dcvit_cpu.attention_backward(up.to(dtype).transpose(1, 2), *c, D ** -0.5,
+                                                           [True] * 4)
             for name, got, want in [("out", out, ref)] + list(zip(
                     ["dq", "dk", "dv", "dmq1", "dmk1", "dmq2", "dmk2"], grads, ref_grads)):
                 err = (got.double() - want).abs().max().item() / want.abs().max().item()

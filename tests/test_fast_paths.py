@@ -119,13 +119,16 @@ def test_merged_matrices_equal_compose(rank, branches):
     (dict(dynamic_proj=False, dynamic_gate=False, static_proj=True), (None, None, None, None)),
 ])
 def test_compose_slots_follow_the_options(options, slots):
-    """One ComposeSlots per layer: the slot of each (stage, side) on the dynamic weights' axis."""
+    """One ComposeSlots per layer: the slot of each (stage, side) on the dynamic weights' axis,
+    and the plain fields the forward reads, taken from it once at construction."""
     layer = dcvit.DCMHA(24, 3, **options)
     assert tuple(layer.slots) == slots
     count = 0 if layer.dynamic_weights is None else layer.dynamic_weights.num_slots
     assert layer.slots.count == count == sum(s is not None for s in slots)
     assert layer.slots.stage("post") == slots[2:]
     assert layer.slots.query_slots == [s for s in (slots[0], slots[2]) if s is not None]
+    assert (layer.pre_slots, layer.post_slots) == (slots[:2], slots[2:])
+    assert layer.identity_slots == layer.slots.query_slots
 
 
 # ------------------------------------------------------------------- layer vs reference
@@ -315,6 +318,41 @@ def test_fused_cpp_core_equals_compile_core(B, H, N, D, threads):
     assert ran == {"cpp": ["dcvit_cpu::attention_backward", "dcvit_cpu::attention_forward"], "compile": []}
     for a, b in zip(results["cpp"], results["compile"]):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
+def test_cpp_backward_computes_only_the_wanted_matrix_gradients():
+    """``want`` leaves a matrix gradient out of the kernel's work: it comes back empty, and
+    every other gradient is bit-equal to the one computed with all four wanted; through
+    autograd, a matrix that needs no gradient gets none asked of the kernel."""
+    g = torch.Generator().manual_seed(7)
+    B, H, N, D = 2, 3, 11, 8
+    q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
+    mats = [torch.randn(B, N, H, H, generator=g, dtype=torch.float64) * 0.3 for _ in range(4)]
+    grad = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
+    backward = torch.ops.dcvit_cpu.attention_backward
+    full = backward(grad, q, k, v, None, *mats, 0.4, [True] * 4)
+    assert all(t.numel() > 0 for t in full)
+    for bits in range(16):
+        want = [bool(bits >> i & 1) for i in range(4)]
+        got = backward(grad, q, k, v, None, *mats, 0.4, want)
+        for i, (a, b) in enumerate(zip(got, full)):
+            if i >= 3 and not want[i - 3]:
+                assert a.numel() == 0, (want, i)
+            else:
+                assert torch.equal(a, b), (want, i)
+
+    seen = []
+    spy = lambda *args: seen.append(list(args[-1])) or fused._cpp_backward(*args)   # noqa: E731
+    leaves = [m.clone().requires_grad_(i % 2 == 1) for i, m in enumerate(mats)]   # key-wise only
+    qq = q.clone().requires_grad_()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(fused._CORES, ("cpu", "cpp"), fused._Core(fused._cpp_forward, spy, None))
+        out = fused.composed_attention(qq, k, v, None, ComposeMatrices(*leaves), "cpp", 0.4)
+        dq, dk1, dk2 = torch.autograd.grad(out, [qq, leaves[1], leaves[3]], grad)
+    assert seen == [[False, True, False, True]]
+    for a, b in zip((dq, dk1, dk2), (full[0], full[4], full[6])):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
 # ------------------------------------------------------------------------- dispatch

@@ -31,10 +31,24 @@ def offending(source_pkg: str, target_pkg: str):
 
 def test_the_graph_is_read_from_the_source():
     pairs = {(e.source, e.target) for e in EDGES}
-    assert ("dcvit.attention", "dcvit.compose") in pairs and ("train_imagenet.data", "dcvit.schema") in pairs
+    assert ("dcvit.attention", "dcvit.functional") in pairs and ("train_imagenet.data", "dcvit.schema") in pairs
     assert ("dcvit", "dcvit.models") in pairs                  # import dcvit registers the models
     deferred = {(e.source, e.target) for e in EDGES if e.deferred}
     assert ("dcvit.models", "dcvit.attention") in deferred     # the layer loads with the first model
+
+
+def test_the_architecture_page_shows_this_graph():
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    shown = page.split("## The import graph", 1)[1].split("```\n", 2)[1].rstrip("\n")
+    assert shown == graph.summary(EDGES), "regenerate it: python scripts/import_graph.py"
+
+
+def test_no_submodule_is_named_as_a_public_name():
+    """``dcvit.compose`` is a function: a submodule of that name would be shadowed by it
+    (``import dcvit.compose as m`` would give the function)."""
+    import dcvit
+    package = ROOT / "dcvit"
+    assert [n for n in dcvit.__all__ if (package / f"{n}.py").exists() or (package / n).is_dir()] == []
 
 
 def test_dcvit_never_imports_the_trainer():
@@ -47,11 +61,11 @@ def test_kernels_import_no_other_dcvit_module():
     assert bad == []
 
 
-@pytest.mark.parametrize("leaf", ["dcvit.compose", "dcvit.io", "dcvit.schema", "dcvit.timing", "dcvit.cli",
+@pytest.mark.parametrize("leaf", ["dcvit.functional", "dcvit.io", "dcvit.schema", "dcvit.timing", "dcvit.cli",
                                   "train_imagenet.config", "train_imagenet.distributed",
                                   "train_imagenet.metrics", "train_imagenet.logs"])
 def test_the_bottom_of_each_stack_imports_nothing_of_the_project(leaf):
-    """compose is the maths everything is tested against; config, metrics and logs stand alone;
+    """functional is the maths everything is tested against; config, metrics and logs stand alone;
     io/schema/timing/cli are utilities (config may use dcvit.io and dcvit.cli, which import
     nothing of the project)."""
     allowed = {"dcvit.io", "dcvit.cli"} if leaf == "train_imagenet.config" else set()

@@ -38,7 +38,8 @@ def test_import_dcvit_registers_the_models_and_resolves_names_on_use():
     loaded = loaded_after("import dcvit, timm\n"
                           "assert timm.is_model('dcvit_small') and 'DCMHA' in dir(dcvit)\n"
                           "assert dcvit.DCMHA.__module__ == 'dcvit.attention' and dcvit.fused.IMPLS\n"
-                          "assert callable(dcvit.compose)\n"
+                          "import dcvit.functional as functional\n"
+                          "assert callable(dcvit.compose) and functional.compose is dcvit.compose\n"
                           "from dcvit import compose, load_weights\n"
                           "try:\n    dcvit.no_such_name\nexcept AttributeError as e:\n"
                           "    assert 'no_such_name' in str(e)\nelse:\n    raise SystemExit(1)")

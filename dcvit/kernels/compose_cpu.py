@@ -5,7 +5,10 @@ The sources are ``dcvit/kernels/csrc/*.{h,cpp}`` (shipped with the package). `lo
 them once per machine and source (``cpp_extension.load``, ninja, about a minute; a note goes
 to stderr meanwhile) into a private cache directory, ``$DCVIT_KERNEL_CACHE`` (default
 ``~/.cache/dcvit``, one subdirectory per variant and source text), created mode
-0700; a library file there that the user does not own is refused. Built with ``-fopenmp``
+0700; a library file there that the user does not own is refused. Each load dates its
+build's stamp file; a build of the same variant from other sources (another version or
+checkout) that no process has loaded for `STALE_DAYS` days is then removed (`_prune`), so
+that builds do not pile up while two installs used in turn keep theirs. Built with ``-fopenmp``
 when torch runs on GNU OpenMP, so that ``libgomp.so.1`` resolves to torch's own copy and the
 kernels run on torch's worker threads; with plain threads otherwise. When no compiler (or ninja) is found, or the build fails, `load` warns
 once and returns False, and `dcvit.fused` picks its plain-PyTorch ``compile`` core. Set
@@ -20,11 +23,12 @@ machine; a process loads one of them (the operators are registered once).
 Operators (float32 and float64 CPU tensors; see ``csrc/compose_cpu.cpp``), each one call::
 
     dcvit_cpu::attention_forward(q, k, v, mask?, mq1?, mk1?, mq2?, mk2?, scale) -> out (B, T, H, D)
-    dcvit_cpu::attention_backward(grad, q, k, v, mask?, mq1?, ..., scale) -> [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
+    dcvit_cpu::attention_backward(grad, q, k, v, mask?, mq1?, ..., scale, want) -> [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
     dcvit_cpu::slot_matrices(w, dd?, identity_slots, eps) -> m
     dcvit_cpu::slot_matrices_backward(w, dm, with_gate, eps) -> [dw, ddd]
 
-(an empty tensor stands for an absent side's gradient). They are the CPU kernels behind the
+(an empty tensor stands for an absent side's gradient, and for a matrix gradient that
+``want``, four flags, says is not needed: it is not computed). They are the CPU kernels behind the
 custom ops of `dcvit.fused` and `dcvit.matrices`, which own the autograd and fake-tensor
 rules; a CUDA kernel plugs into those ops the same way (see `dcvit.fused.register_core`).
 
@@ -36,9 +40,11 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import stat
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -47,7 +53,9 @@ import torch
 
 __all__ = ["load", "available", "isa", "ISAS", "MAX_HEADS"]
 
-MAX_HEADS = 64   # kMaxHeads of csrc/rows.h: `dcvit.fused` runs more heads on its 'compile' core
+# The most heads the kernels take (`dcvit.fused` runs more on its 'compile' core): the one
+# source of csrc/rows.h's kMaxHeads, which is built with -DDCVIT_MAX_HEADS=MAX_HEADS.
+MAX_HEADS = 64
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
@@ -141,13 +149,23 @@ def _source_files() -> Dict[str, bytes]:
             if f.endswith((".h", ".cpp"))}
 
 
-def _library_name(openmp: bool) -> str:
-    """One build (directory and library) per threading and vector-flag variant and per source
-    text: checkouts with the same sources share it."""
-    text = hashlib.sha1(b"".join(n.encode() + b"\0" + d for n, d in _source_files().items()))
+def _defines() -> List[str]:
+    """The constants the Python side gives the sources (one source for both)."""
+    return [f"-DDCVIT_MAX_HEADS={MAX_HEADS}"]
+
+
+def _variant(openmp: bool) -> str:
+    """The threading and vector-flag variant of a build: ``dcvit_cpu_omp_avx512``, ..."""
     tag = isa()
-    return ("dcvit_cpu_" + ("omp" if openmp else "threads") + ("" if tag == "generic" else "_" + tag)
-            + "_" + text.hexdigest()[:10])
+    return "dcvit_cpu_" + ("omp" if openmp else "threads") + ("" if tag == "generic" else "_" + tag)
+
+
+def _library_name(openmp: bool) -> str:
+    """One build (directory and library) per variant and per source text and defines:
+    checkouts with the same sources share it."""
+    text = hashlib.sha1(b"".join(n.encode() + b"\0" + d for n, d in _source_files().items())
+                        + "\0".join(_defines()).encode())
+    return _variant(openmp) + "_" + text.hexdigest()[:10]
 
 
 def _sources_in(build_dir: str) -> str:
@@ -161,6 +179,69 @@ def _sources_in(build_dir: str) -> str:
                 f.write(data)
             os.replace(path + ".tmp", path)
     return src
+
+
+# A build's stamp file: a process that builds or loads the build holds a shared lock on it
+# meanwhile and sets its modification time, so that `_prune` knows when it was last used.
+USED = "used"
+STALE_DAYS = 7     # another source's build of the same variant unused this long is removed
+
+
+@contextlib.contextmanager
+def _in_use(build_dir: str) -> Iterator[None]:
+    """Hold ``build_dir`` while this process builds and loads it: a shared lock on its stamp,
+    whose time is set to now (`_prune` waits for no one: it skips a build that is held)."""
+    import fcntl
+    try:
+        stamp = open(os.path.join(_private_dir(build_dir), USED), "a")
+    except FileNotFoundError:         # removed by a prune between the two calls: made again
+        stamp = open(os.path.join(_private_dir(build_dir), USED), "a")
+    with stamp:
+        fcntl.flock(stamp, fcntl.LOCK_SH)
+        os.utime(stamp.fileno())
+        _private_dir(build_dir)       # (made again if a prune removed it before the lock)
+        yield
+
+
+def _last_used(build_dir: str, stamp: int) -> float:
+    """When a build was last loaded: its stamp's time, or its library's last read (what a
+    version without stamps leaves, where the file system records reads), whichever is later."""
+    reads = [e.stat().st_atime for e in os.scandir(build_dir) if e.name.endswith(".so")]
+    return max([os.fstat(stamp).st_mtime] + reads)
+
+
+def _prune(keep: str) -> List[str]:
+    """Remove the builds of ``keep``'s variant (threading and instruction set) made from other
+    sources (another version or checkout) and not used for `STALE_DAYS` days; return them.
+
+    Two installs used in turn on one machine keep both their builds (each load refreshes the
+    stamp). Kept too: a build a process holds now (`_in_use`), other variants' builds, and
+    whatever is not this user's or not a build. A build without a stamp gets one: its days
+    count from then at the latest. Errors leave a build where it is."""
+    import fcntl
+    root = cache_dir()
+    variant = keep.rsplit("_", 1)[0]
+    removed = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if (name == keep or not re.fullmatch(re.escape(variant) + "_[0-9a-f]{10}", name)
+                or os.path.islink(path) or not os.path.isdir(path) or _owner(path) != os.getuid()):
+            continue
+        trash = f"{path}.removing-{os.getpid()}"
+        try:
+            with open(os.path.join(path, USED), "a") as stamp:
+                try:
+                    fcntl.flock(stamp, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:                    # being built or loaded now
+                    continue
+                if time.time() - _last_used(path, stamp.fileno()) < STALE_DAYS * 86400:
+                    continue
+                os.rename(path, trash)                     # gone for a loader that comes next
+            shutil.rmtree(trash, ignore_errors=True)
+            removed.append(path)
+        except OSError:
+            continue
+    return removed
 
 
 @contextlib.contextmanager
@@ -190,18 +271,21 @@ def _build_and_load(openmp: bool) -> None:
     finally:
         logger.setLevel(level)
     name = _library_name(openmp)
-    build_dir = _private_dir(os.path.join(_private_dir(cache_dir()), name))
-    library = os.path.join(build_dir, name + ".so")
-    _check_owned(library)
-    if not os.path.exists(library):
-        sys.stderr.write(f"dcvit: building the C++ attention kernels into {build_dir} "
-                         "(once per machine and source, about a minute)\n")
-    src = _sources_in(build_dir)
-    cflags = ["-O3", "-fno-trapping-math", "-fopenmp" if openmp else "-fopenmp-simd", "-pthread"] + _cpu_flags()
-    with _ninja_on_path():
+    build_dir = os.path.join(_private_dir(cache_dir()), name)
+    cflags = (["-O3", "-fno-trapping-math", "-fopenmp" if openmp else "-fopenmp-simd", "-pthread"]
+              + _cpu_flags() + _defines())
+    with _in_use(build_dir), _ninja_on_path():
+        library = os.path.join(build_dir, name + ".so")
+        _check_owned(library)
+        if not os.path.exists(library):
+            sys.stderr.write(f"dcvit: building the C++ attention kernels into {build_dir} "
+                             "(once per machine and source, about a minute)\n")
+        src = _sources_in(build_dir)
         cpp_extension.load(name=name, sources=[os.path.join(src, "compose_cpu.cpp")], extra_include_paths=[src],
                            extra_cflags=cflags, extra_ldflags=["-fopenmp"] if openmp else ["-pthread"],
                            build_directory=build_dir, is_python_module=False, verbose=False)
+    with contextlib.suppress(OSError):
+        _prune(name)
 
 
 def load() -> bool:

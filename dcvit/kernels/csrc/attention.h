@@ -21,7 +21,7 @@ struct Rows {
   // Row (b, t) backward: recompute it from its scores a, write the composed weights to out,
   // back-propagate g (the weights' gradient) through compose2, softmax and compose1 into da (which
   // may be g itself: g is read before da is written), the query-wise matrix gradients into
-  // dmq*r and the key-wise ones added to the packed accumulators g1/g2 (null: not wanted).
+  // dmq*r and the key-wise ones added to the packed accumulators g1/g2 (each null: not wanted).
   static void backward_row(const Row<T> a, const Row<T> g, const Row<T> out, const Row<T> da,
                            Scratch<T>& w, const Dims& n, const Mask& mask, const T* mq1r,
                            const T* k1, const T* mq2r, const T* k2, T* dmq1r, T* g1, T* dmq2r,

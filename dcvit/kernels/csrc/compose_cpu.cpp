@@ -5,7 +5,9 @@
 // dcvit::slot_matrices(_backward), which own the autograd and fake-tensor rules. A Compose
 // stage's matrices: mq (B|1, T|1, H, H) with the identity, static and query-wise terms, mk
 // (B, S, H, H) with the key-wise ones; an absent stage or side is None. Masks are additive
-// and broadcast to (B, H, T, S). At most kMaxHeads heads (the caller checks).
+// and broadcast to (B, H, T, S). At most kMaxHeads heads (rows.h; the caller checks too).
+#include <array>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -120,11 +122,13 @@ Tensor attention_forward(const Tensor& q_, const Tensor& k_, const Tensor& v_, c
 }
 
 // Gradients of attention_forward for grad (B, H, T, D) (any strides): [dq, dk, dv (B, H, N, D)
-// contiguous, dmq1 (B, T, H, H), dmk1 (B, S, H, H), dmq2, dmk2]; empty for an absent side.
+// contiguous, dmq1 (B, T, H, H), dmk1 (B, S, H, H), dmq2, dmk2]; want says which of the four
+// matrix gradients to compute: one not wanted, like an absent side's, is not computed and
+// comes back empty.
 std::vector<Tensor> attention_backward(const Tensor& grad_, const Tensor& q_, const Tensor& k_,
                                        const Tensor& v_, const OptTensor& mask, const OptTensor& mq1,
                                        const OptTensor& mk1, const OptTensor& mq2,
-                                       const OptTensor& mk2, double scale) {
+                                       const OptTensor& mk2, double scale, std::array<bool, 4> want) {
   check_dtype(q_, "q");
   const Tensor q = unit_rows(q_, q_), k = unit_rows(k_, q_), v = unit_rows(v_, q_);
   const Tensor grad = unit_rows(grad_, q_);
@@ -135,8 +139,11 @@ std::vector<Tensor> attention_backward(const Tensor& grad_, const Tensor& q_, co
   const MaskView mv(mask, B, H, T, S, dt);
   Tensor dq = at::empty({B, H, T, D}, q.options()), dk = at::empty({B, H, S, D}, q.options());
   Tensor dv = at::empty({B, H, S, D}, q.options());
-  auto like = [&](const Tensor& t) { return t.defined() ? at::empty(t.sizes(), t.options()) : Tensor(); };
-  Tensor dmq1 = like(m.mq1), dmk1 = like(m.mk1), dmq2 = like(m.mq2), dmk2 = like(m.mk2);
+  auto grad_of = [&](const Tensor& t, bool wanted) {
+    return t.defined() && wanted ? at::empty(t.sizes(), t.options()) : Tensor();
+  };
+  Tensor dmq1 = grad_of(m.mq1, want[0]), dmk1 = grad_of(m.mk1, want[1]);
+  Tensor dmq2 = grad_of(m.mq2, want[2]), dmk2 = grad_of(m.mk2, want[3]);
   dispatch(dt, [&](auto zero) {
     using S_ = decltype(zero);
     const Dims n = dims<S_>(B, H, T, S);
@@ -197,7 +204,7 @@ TORCH_LIBRARY(dcvit_cpu, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mq1, Tensor? mk1, "
         "Tensor? mq2, Tensor? mk2, float scale) -> Tensor");
   m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor? mq1, "
-        "Tensor? mk1, Tensor? mq2, Tensor? mk2, float scale) -> Tensor[]");
+        "Tensor? mk1, Tensor? mq2, Tensor? mk2, float scale, bool[4] want) -> Tensor[]");
   m.def("slot_matrices(Tensor w, Tensor? dd, int[] identity_slots, float eps) -> Tensor");
   m.def("slot_matrices_backward(Tensor w, Tensor dm, bool with_gate, float eps) -> Tensor[]");
 }

@@ -10,8 +10,13 @@
 namespace dcvit {
 
 // Heads are a template argument (HC > 0) for the usual head counts, so that a block of keys
-// keeps every head's accumulator in registers; HC == 0 reads the count at run time.
-constexpr int64_t kMaxHeads = 64;
+// keeps every head's accumulator in registers; HC == 0 reads the count at run time, with
+// accumulators for at most kMaxHeads heads. Its one source is the Python side's MAX_HEADS
+// (dcvit.kernels.compose_cpu), which builds with -DDCVIT_MAX_HEADS and checks the head count.
+#ifndef DCVIT_MAX_HEADS
+#error "DCVIT_MAX_HEADS is undefined: build through dcvit.kernels.compose_cpu, which defines it"
+#endif
+constexpr int64_t kMaxHeads = DCVIT_MAX_HEADS;
 template <int HC> inline int64_t heads(int64_t h) { return HC > 0 ? HC : h; }
 template <int HC> constexpr int64_t acc_size() { return HC > 0 ? HC : kMaxHeads; }
 
@@ -79,8 +84,8 @@ void mix(const Row<T> in, const Row<T> out, const T* m, const T* mk, int64_t h, 
   else mix_blocks<T, HC, TR, false>(in, out, m, mk, h, nb);
 }
 
-// dm[g, h] = sum_s a[g, s] d[h, s];  dmk[blk, g, h, :] += a[g, blk] * d[h, blk]  (dmk may be null).
-template <typename T, int HC, bool KEYS>
+// dm[g, h] = sum_s a[g, s] d[h, s] (QUERY);  dmk[blk, g, h, :] += a[g, blk] * d[h, blk] (KEYS).
+template <typename T, int HC, bool QUERY, bool KEYS>
 void mix_grad_blocks(const Row<T> a, const Row<T> d, T* __restrict__ dm, T* __restrict__ dmk,
                      int64_t h, int64_t nb) {
   constexpr int64_t L = lanes<T>();
@@ -95,21 +100,25 @@ void mix_grad_blocks(const Row<T> a, const Row<T> d, T* __restrict__ dm, T* __re
       T* __restrict__ kb = KEYS ? dmk + (blk * H + g) * H * L : nullptr;
       for (int64_t i = 0; i < H; ++i) {
         const Vec<T> p = x * d.template load<TAIL>(i, blk);
-        acc[i] += p;
+        if (QUERY) acc[i] += p;
         if (KEYS) vstore(kb + i * L, vload(kb + i * L) + p);
       }
     };
     int64_t blk = 0;
     for (; blk < full; ++blk) block(blk, std::false_type{});
     for (; blk < nb; ++blk) block(blk, std::true_type{});
-    for (int64_t i = 0; i < H; ++i) dm[g * H + i] = vsum<T>(acc[i]);
+    if (QUERY)
+      for (int64_t i = 0; i < H; ++i) dm[g * H + i] = vsum<T>(acc[i]);
   }
 }
 
+// The gradients of one Compose map's query-wise (dm) and key-wise (dmk) matrices; a null
+// pointer is a gradient not wanted, and not computed.
 template <typename T, int HC>
 void mix_grad(const Row<T> a, const Row<T> d, T* dm, T* dmk, int64_t h, int64_t nb) {
-  if (dmk != nullptr) mix_grad_blocks<T, HC, true>(a, d, dm, dmk, h, nb);
-  else mix_grad_blocks<T, HC, false>(a, d, dm, dmk, h, nb);
+  if (dm != nullptr && dmk != nullptr) mix_grad_blocks<T, HC, true, true>(a, d, dm, dmk, h, nb);
+  else if (dm != nullptr) mix_grad_blocks<T, HC, true, false>(a, d, dm, dmk, h, nb);
+  else if (dmk != nullptr) mix_grad_blocks<T, HC, false, true>(a, d, dm, dmk, h, nb);
 }
 
 // x (H, SP) += mask row, softmax over the first S keys of each head; padding set to 0.

@@ -1,4 +1,5 @@
-"""Compose: the cross-head mixing step of DCMHA, as one pure function.
+"""Compose, the cross-head mixing step of DCMHA, as one pure function (`compose`, public as
+``dcvit.compose``), with its shape checks; `dcvit.attention.Compose` is its module form.
 
 This is the reference definition every fast path is held against. It is written for
 clarity and exactness, one einsum per term of the formula.
