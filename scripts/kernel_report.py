@@ -59,12 +59,13 @@ class Variant:
     num_warps: int
     num_stages: int = 3
     maxnreg: int = 0
+    G: int = 1
 
     @property
     def name(self) -> str:
         flags = f"pre={self.pre or '-'},post={self.post or '-'}{',mask' if self.mask else ''}"
         return (f"{SHORT[self.kernel]} sm{self.arch} H={self.H} D={self.D} {self.dtype} {flags} "
-                f"BT={self.BT} BS={self.BS} w={self.num_warps} st={self.num_stages}")
+                f"BT={self.BT} BS={self.BS} G={self.G} w={self.num_warps} st={self.num_stages}")
 
 
 def triton_module():
@@ -104,7 +105,7 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
             kernels, archs, heads, dims, dtypes, masks, stages):
         for c in block_sizes(H, kernel):
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
-                               c.get("num_stages", 3), c.get("maxnreg") or 0))
+                               c.get("num_stages", 3), c.get("maxnreg") or 0, c.get("G", 1)))
     return out
 
 
@@ -169,7 +170,7 @@ def compile_variant(v: Variant) -> Dict:
     row = dict(dataclasses.asdict(v), name=v.name)
     fn = getattr(triton_attention, v.kernel)
     args, kwargs = launch_arguments(v)
-    kwargs = dict(kwargs, BT=v.BT, BS=v.BS)
+    kwargs = dict(kwargs, BT=v.BT, BS=v.BS, G=v.G)
     signature, constexprs, attrs = {}, {}, {}
     for i, arg_name in enumerate(fn.arg_names):
         if arg_name in kwargs:

@@ -140,11 +140,15 @@ def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, Option
     its rows of all heads, so one pipeline stage (a second would double the tiles in shared
     memory), 8 warps, and with 16 padded heads 8 rows per program in the backward kernels
     (the key kernel's keys, the query kernel's queries)."""
-    if _padded_heads(H) <= 8 or kernel == "forward_kernel":
-        return [dict(BT=16, BS=16, num_warps=8, num_stages=1, maxnreg=None)]
-    if kernel == "backward_key_kernel":
-        return [dict(BT=16, BS=8, num_warps=8, num_stages=1, maxnreg=255)]
-    return [dict(BT=8, BS=16, num_warps=8, num_stages=1, maxnreg=None)]
+    if _padded_heads(H) <= 8:
+        return [dict(BT=16, BS=8 if kernel == "backward_key_kernel" else 16, G=1, num_warps=8,
+                     num_stages=1, maxnreg=None)]
+    if kernel == "forward_kernel":
+        return [dict(BT=16, BS=16, G=1, num_warps=8, num_stages=1, maxnreg=None),
+                dict(BT=8, BS=16, G=1, num_warps=8, num_stages=1, maxnreg=None)]
+    if kernel == "backward_query_kernel":
+        return [dict(BT=8, BS=16, G=1, num_warps=8, num_stages=1, maxnreg=None)]
+    return [dict(BT=16, BS=8, G=2, num_warps=8, num_stages=1, maxnreg=None)]
 
 
 _tuned: Dict[Tuple[str, int], object] = {}
@@ -158,14 +162,14 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
     kernel = getattr(_kernels(device), name)
     if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
         c = block_sizes(H, name)[0]
-        kernel[(triton.cdiv(rows, c[block]), B)](*args, BT=c["BT"], BS=c["BS"], **kwargs)
+        kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"], **kwargs)
         return
     key = (name, H)
     if key not in _tuned:
-        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"]}, num_warps=c["num_warps"],
+        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"], "G": c["G"]}, num_warps=c["num_warps"],
                                  num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name)]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
-    _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B)](*args, **kwargs)
+    _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **kwargs)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -217,11 +221,12 @@ def _padded_heads(H: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's precision: float32 in full ("ieee", not TF32); bf16/fp16 natively, except
-    bf16 in the interpreter, which cannot multiply bf16 tiles ("exact": as float32)."""
-    if dtype == torch.float32:
-        return "ieee"
-    return "exact" if dtype == torch.bfloat16 and interpreted() else "tf32"
+    """tl.dot's precision: float32 in full ("ieee", not TF32); bf16/fp16 natively. In the
+    interpreter, float32 and bf16 products are summed in a fixed order ("exact", see
+    `triton_attention._dot`; it cannot multiply bf16 tiles at all)."""
+    if interpreted() and dtype in (torch.float32, torch.bfloat16):
+        return "exact"
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
