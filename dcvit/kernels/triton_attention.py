@@ -1,8 +1,10 @@
 """Triton kernels of the fused DCMHA attention core: forward and backward, flash-style.
 
 Each program holds one block of queries (or, in the key pass of backward, one block of keys)
-for **all** heads at once: Compose mixes heads, so no program may own fewer. Per key block
-(docs/spec.md §1.1, with each stage merged into per-token H×H matrices as in
+and computes its scores and Compose stages for **all** heads: Compose mixes heads. What it
+accumulates and writes may be a group of ``HP/G`` heads (program_id 2; `block_sizes`' G):
+G programs per block then share the accumulators and each recomputes the rest. Per key
+block (docs/spec.md §1.1, with each stage merged into per-token H×H matrices as in
 `dcvit.matrices`)::
 
     s0[h]  = scale · q[h] k[h]ᵀ                                    tl.dot, fp32 accumulate
@@ -20,6 +22,17 @@ between the layouts is a `tl.permute` (one pass through shared memory); nothing 
 heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest that a float32
 `tl.dot` takes; padded heads, queries, keys and head-dim lanes are masked.
 
+Registers. A program's tiles of all heads must fit 255 registers per thread at 8 warps
+without spilling (tests/test_kernel_resources.py). Three things make 16 padded heads fit:
+a block of 8 rows is always a product's 8 columns, never its rows (a tensor-core product
+pads rows to 16): accumulators are kept transposed (dkᵀ, dvᵀ, dqᵀ, Oᵀ: (heads, D, rows);
+dMᵀ: (rows, heads, group)) and the scores come out as ``(a @ b)ᵀ`` with the 8 rows in b;
+the operand of q·kᵀ and dO·vᵀ that a loop loads is loaded and multiplied in two halves of
+the head dim (`_dot_by_halves`), so half of it is live at a time; and the key kernel
+splits its heads between two programs (``G = 2``): each recomputes the scores and the
+full-width Compose steps, post-composes and back-composes only its heads' output columns,
+and takes its heads' columns of the other tiles with `tl.gather` (`_group`).
+
 Post-compose mixes *normalised* weights of different heads, so the forward makes two
 passes over the keys: the first finds each head's row statistics (``lse``, saved for
 backward), the second recomputes the scores and accumulates the output. No (B, H, T, S)
@@ -30,9 +43,10 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
 * `backward_query_kernel`, one program per block of queries: pass 1 over the keys gives
   ``delta[h,t] = Σ_s p·dp`` (the softmax backward's row term; with post-compose it is not
   ``Σ o·do``) and the query-side matrices' gradient dMq2; pass 2 gives dq and dMq1.
-* `backward_key_kernel`, one program per block of keys, looping over query blocks: dk, dv
-  and the key-side matrices' gradients dMk1, dMk2, which are sums over *all* queries. A
-  program owns its keys' rows of those sums, so they are written once, in a fixed order:
+* `backward_key_kernel`, one program per block of keys (and head group), looping over
+  query blocks: dk, dv and the key-side matrices' gradients dMk1, dMk2, which are sums over
+  *all* queries. A program owns its keys' (and heads') share of those sums, so they are
+  written once, in a fixed order:
   deterministic, no atomics, no per-query-block partial buffers. Its tiles are
   ``(keys, queries, heads)``: the key side is the one its own rows index.
 
