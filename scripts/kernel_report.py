@@ -265,7 +265,9 @@ MODELS = {"S/16": ("dcvit_small_patch16_224", "vit_small_patch16_224"),
 def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, float]:
     """Work of one launch of ``kernel`` over B sequences of N tokens (every stage, both matrix
     sides, no mask, every matrix gradient wanted), counted from its loops with the blocks and
-    head groups of the first `block_sizes` candidate and the padded head count: tensor-core FLOPs in the
+    head groups of the first `block_sizes` candidate and the padded head count (and rows: a
+    tensor-core product pads 8 rows to 16, which one side of each Compose stage has when a
+    block is 8 rows): tensor-core FLOPs in the
     operands' dtype (``bf16``: q·kᵀ, p·v and their gradients) and in TF32 (``tf32``: Compose's
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
@@ -279,7 +281,8 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     pairs = B * nt * ns                                 # (query block, key block) visits
     qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
     mix = 2 * tile * hp                                 # one side of a Compose stage, or a dM
-    compose = 2 * mix                                   # query side + key side
+    pad = 16 // min(c["BT"], c["BS"], 16)               # a block of 8 rows: the side of a stage batched
+    compose = mix + pad * mix                           # over the others has 8 product rows, padded to 16
     if kernel == "forward_kernel":
         bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
         tf32 = 2 * compose + compose                    # pre-compose in both passes, post
