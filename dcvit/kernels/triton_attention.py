@@ -76,27 +76,9 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _heads_last(x):
-    """(heads, rows, cols) -> (rows, cols, heads)."""
-    return tl.permute(x, (1, 2, 0))
-
-
-@triton.jit
-def _dot_t(a, b, PRECISION: tl.constexpr):
-    """``a @ bᵀ`` for (heads, rows, D) tiles a and b."""
-    return _dot(a, tl.permute(b, (0, 2, 1)), PRECISION)
-
-
-@triton.jit
 def _t(x):
     """(heads, cols, rows) -> (rows, cols, heads), and back."""
     return tl.permute(x, (2, 1, 0))
-
-
-@triton.jit
-def _heads_first(x):
-    """(rows, cols, heads) -> (heads, rows, cols)."""
-    return tl.permute(x, (2, 0, 1))
 
 
 @triton.jit
