@@ -58,13 +58,13 @@ class Variant:
     BS: int
     num_warps: int
     num_stages: int = 3
-    maxnreg: int = 0
+    G: int = 1
 
     @property
     def name(self) -> str:
         flags = f"pre={self.pre or '-'},post={self.post or '-'}{',mask' if self.mask else ''}"
         return (f"{SHORT[self.kernel]} sm{self.arch} H={self.H} D={self.D} {self.dtype} {flags} "
-                f"BT={self.BT} BS={self.BS} w={self.num_warps} st={self.num_stages}")
+                f"BT={self.BT} BS={self.BS} G={self.G} w={self.num_warps} st={self.num_stages}")
 
 
 def triton_module():
@@ -104,7 +104,7 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
             kernels, archs, heads, dims, dtypes, masks, stages):
         for c in block_sizes(H, kernel):
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
-                               c.get("num_stages", 3), c.get("maxnreg") or 0))
+                               c["num_stages"], c["G"]))
     return out
 
 
@@ -169,7 +169,7 @@ def compile_variant(v: Variant) -> Dict:
     row = dict(dataclasses.asdict(v), name=v.name)
     fn = getattr(triton_attention, v.kernel)
     args, kwargs = launch_arguments(v)
-    kwargs = dict(kwargs, BT=v.BT, BS=v.BS)
+    kwargs = dict(kwargs, BT=v.BT, BS=v.BS, G=v.G)
     signature, constexprs, attrs = {}, {}, {}
     for i, arg_name in enumerate(fn.arg_names):
         if arg_name in kwargs:
@@ -184,8 +184,6 @@ def compile_variant(v: Variant) -> Dict:
     try:
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
-        if v.maxnreg:
-            options["maxnreg"] = v.maxnreg
         compiled = triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=options)
         ptx = compiled.asm["ptx"]
         gpu = f"sm_{v.arch}a" if v.arch >= 90 else f"sm_{v.arch}"
@@ -266,8 +264,10 @@ MODELS = {"S/16": ("dcvit_small_patch16_224", "vit_small_patch16_224"),
 
 def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, float]:
     """Work of one launch of ``kernel`` over B sequences of N tokens (every stage, both matrix
-    sides, no mask, every matrix gradient wanted), counted from its loops with the blocks of
-    the first `block_sizes` candidate and the padded head count: tensor-core FLOPs in the
+    sides, no mask, every matrix gradient wanted), counted from its loops with the blocks and
+    head groups of the first `block_sizes` candidate and the padded head count (and rows: a
+    tensor-core product pads 8 rows to 16, which one side of each Compose stage has when a
+    block is 8 rows): tensor-core FLOPs in the
     operands' dtype (``bf16``: q·kᵀ, p·v and their gradients) and in TF32 (``tf32``: Compose's
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
@@ -281,7 +281,8 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     pairs = B * nt * ns                                 # (query block, key block) visits
     qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
     mix = 2 * tile * hp                                 # one side of a Compose stage, or a dM
-    compose = 2 * mix                                   # query side + key side
+    pad = 16 // min(c["BT"], c["BS"], 16)               # a block of 8 rows: the side of a stage batched
+    compose = mix + pad * mix                           # over the others has 8 product rows, padded to 16
     if kernel == "forward_kernel":
         bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
         tf32 = 2 * compose + compose                    # pre-compose in both passes, post
@@ -292,11 +293,12 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
         tf32 = 2 * compose + 2 * compose + compose + 2 * mix   # pre both passes, post T both, pre T, dMq1, dMq2
         ops = 2 * (1 + 1 + 1) + 2 + 3 + 5 * 1 + 1       # scale, where, sub x2; delta; ds; compose adds; cast
         exps = 2
-    else:
-        bf16 = 4 * qk                                   # k·qᵀ, v·doᵀ, p2ᵀ·do, dsᵀ·q
-        tf32 = 4 * compose + 2 * mix                    # pre, post, post T, pre T; dMk1, dMk2
-        ops = 1 + 1 + 1 + 1 + 2 + 4 * 1 + 2             # scale, where, sub, where; ds; compose adds; casts
-        exps = 1
+    else:                                               # G programs per key block, each for HP/G heads:
+        g = c["G"]                                      # the scores and both stages for all heads in each
+        bf16 = g * 2 * qk + 2 * qk                      # k·qᵀ, v·doᵀ in each; p2ᵀ·do, dsᵀ·q for its heads
+        tf32 = g * 2 * compose + 2 * compose + 2 * mix  # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
+        ops = g * (1 + 1 + 1 + 1 + 2 + 2) + 2 + 2       # scale, where, sub, where, ds, 2 compose adds; 2 adds, casts
+        exps = g
     tok = B * N * H                                     # (token, head) pairs
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
     # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)

@@ -175,6 +175,23 @@ def test_strided_qkv_views():
     _assert_matches(*_case(2, 3, 13, 13, 12, strided=True, seed=9))
 
 
+def test_head_dim_loaded_in_halves():
+    """Head dim 40 (padded to 64): the kernels load the operand of q·kᵀ and dO·vᵀ that
+    changes along their loops in two halves of the head dim (the second partly padding)."""
+    _assert_matches(*_case(2, 3, 13, 11, 40, seed=16), scale=40 ** -0.5)
+
+
+@pytest.mark.parametrize("fwd", range(len(triton_core.block_sizes(9, "forward_kernel"))))
+def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
+    """9 heads (16 padded), head dim 40, with each forward block candidate: the key kernel
+    splits its heads between programs (`block_sizes`' G), the query kernel owns 8 queries."""
+    sizes = triton_core.block_sizes
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel": (
+        sizes(H, kernel)[fwd:] + sizes(H, kernel)[:fwd] if kernel == "forward_kernel" else sizes(H, kernel)))
+    assert triton_core.block_sizes(9, "backward_key_kernel")[0]["G"] == 2
+    _assert_matches(*_case(1, 9, 19, 17, 40, seed=17), scale=40 ** -0.5)
+
+
 def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):
     """Only requested gradients are computed (the kernels are told which); the others come
     back as None."""

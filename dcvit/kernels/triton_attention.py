@@ -1,8 +1,10 @@
 """Triton kernels of the fused DCMHA attention core: forward and backward, flash-style.
 
 Each program holds one block of queries (or, in the key pass of backward, one block of keys)
-for **all** heads at once: Compose mixes heads, so no program may own fewer. Per key block
-(docs/spec.md §1.1, with each stage merged into per-token H×H matrices as in
+and computes its scores and Compose stages for **all** heads: Compose mixes heads. What it
+accumulates and writes may be a group of ``HP/G`` heads (program_id 2; `block_sizes`' G):
+G programs per block then share the accumulators and each recomputes the rest. Per key
+block (docs/spec.md §1.1, with each stage merged into per-token H×H matrices as in
 `dcvit.matrices`)::
 
     s0[h]  = scale · q[h] k[h]ᵀ                                    tl.dot, fp32 accumulate
@@ -20,6 +22,17 @@ between the layouts is a `tl.permute` (one pass through shared memory); nothing 
 heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest that a float32
 `tl.dot` takes; padded heads, queries, keys and head-dim lanes are masked.
 
+Registers. A program's tiles of all heads must fit 255 registers per thread at 8 warps
+without spilling (tests/test_kernel_resources.py). Three things make 16 padded heads fit:
+a block of 8 rows is always a product's 8 columns, never its rows (a tensor-core product
+pads rows to 16): accumulators are kept transposed (dkᵀ, dvᵀ, dqᵀ, Oᵀ: (heads, D, rows);
+dMᵀ: (rows, heads, group)) and the scores come out as ``(a @ b)ᵀ`` with the 8 rows in b;
+the operand of q·kᵀ and dO·vᵀ that a loop loads is loaded and multiplied in two halves of
+the head dim (`_dot_by_halves`), so half of it is live at a time; and the key kernel
+splits its heads between two programs (``G = 2``): each recomputes the scores and the
+full-width Compose steps, post-composes and back-composes only its heads' output columns,
+and takes its heads' columns of the other tiles with `tl.gather` (`_group`).
+
 Post-compose mixes *normalised* weights of different heads, so the forward makes two
 passes over the keys: the first finds each head's row statistics (``lse``, saved for
 backward), the second recomputes the scores and accumulates the output. No (B, H, T, S)
@@ -30,9 +43,10 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
 * `backward_query_kernel`, one program per block of queries: pass 1 over the keys gives
   ``delta[h,t] = Σ_s p·dp`` (the softmax backward's row term; with post-compose it is not
   ``Σ o·do``) and the query-side matrices' gradient dMq2; pass 2 gives dq and dMq1.
-* `backward_key_kernel`, one program per block of keys, looping over query blocks: dk, dv
-  and the key-side matrices' gradients dMk1, dMk2, which are sums over *all* queries. A
-  program owns its keys' rows of those sums, so they are written once, in a fixed order:
+* `backward_key_kernel`, one program per block of keys (and head group), looping over
+  query blocks: dk, dv and the key-side matrices' gradients dMk1, dMk2, which are sums over
+  *all* queries. A program owns its keys' (and heads') share of those sums, so they are
+  written once, in a fixed order:
   deterministic, no atomics, no per-query-block partial buffers. Its tiles are
   ``(keys, queries, heads)``: the key side is the one its own rows index.
 
@@ -48,41 +62,34 @@ __all__ = ["forward_kernel", "backward_query_kernel", "backward_key_kernel"]
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
-    """``a @ b`` (3-D, batched over heads) accumulated in float32. PRECISION "exact": the
-    operands' exact float32 values multiplied in full precision (Triton's interpreter
-    cannot multiply bfloat16 tiles; the products of bf16 values are exact in float32, so
-    the result is what a bf16 tensor-core product with float32 accumulation gives)."""
+    """``a @ b`` (3-D, batched over heads) accumulated in float32. PRECISION "exact" (Triton's
+    interpreter, `triton_core._precision`): the operands' float32 values multiplied and
+    summed along the contracted axis in its order, as a GPU's FMA loop does. The interpreter
+    multiplies with numpy, whose BLAS kernel, and with it the order of the sum, depends on
+    the tiles' shapes; the kernels recompute the scores on tiles of other shapes than the
+    forward's, and the row statistics must find the same scores. Nor can it multiply bfloat16
+    tiles; products of bf16 values are exact in float32, so this is what a bf16 tensor-core
+    product with float32 accumulation gives."""
     if PRECISION == "exact":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.sum(a.to(tl.float32)[:, :, :, None] * b.to(tl.float32)[:, None, :, :], axis=2)
     return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
-def _heads_last(x):
-    """(heads, rows, cols) -> (rows, cols, heads)."""
-    return tl.permute(x, (1, 2, 0))
+def _t(x):
+    """(heads, cols, rows) -> (rows, cols, heads), and back."""
+    return tl.permute(x, (2, 1, 0))
 
 
 @triton.jit
-def _dot_t(a, b, PRECISION: tl.constexpr):
-    """``a @ bᵀ`` for (heads, rows, D) tiles a and b."""
-    return _dot(a, tl.permute(b, (0, 2, 1)), PRECISION)
-
-
-@triton.jit
-def _heads_first(x):
-    """(rows, cols, heads) -> (heads, rows, cols)."""
-    return tl.permute(x, (2, 0, 1))
-
-
-@triton.jit
-def _mix(a, M, rows, n_stride, g_stride, h_stride, rows_ok, H: tl.constexpr, HP: tl.constexpr,
-         MIX: tl.constexpr):
-    """``out[x, y, h] = Σ_g a[x, y, g] · M[rows[x], g, h]``: a (X, Y, HP) float32 tile times
-    the H×H matrices of the tokens on its axis 0 (rows: their indices, (X, 1, 1)), one
-    batched product. Swapping g_stride and h_stride applies the transposed matrices."""
+def _mix(a, M, rows, n_stride, g_stride, h_stride, rows_ok, h0, HO: tl.constexpr, H: tl.constexpr,
+         HP: tl.constexpr, MIX: tl.constexpr):
+    """``out[x, y, h] = Σ_g a[x, y, g] · M[rows[x], g, h0 + h]``: a (X, Y, HP) float32 tile
+    times the H×H matrices of the tokens on its axis 0 (rows: their indices, (X, 1, 1)), one
+    batched product, for the HO output heads from h0: an (X, Y, HO) tile. Swapping g_stride
+    and h_stride applies the transposed matrices."""
     g = tl.arange(0, HP)[None, :, None]
-    h = tl.arange(0, HP)[None, None, :]
+    h = h0 + tl.arange(0, HO)[None, None, :]
     m = tl.load(M + rows * n_stride + g * g_stride + h * h_stride,
                 mask=rows_ok & (g < H) & (h < H), other=0.0)
     return tl.dot(a, m, input_precision=MIX)
@@ -90,17 +97,27 @@ def _mix(a, M, rows, n_stride, g_stride, h_stride, rows_ok, H: tl.constexpr, HP:
 
 @triton.jit
 def _compose(a, M0, r0, n0, g0, h0, ok0, HAS0: tl.constexpr, M1, r1, n1, g1, h1, ok1,
-             HAS1: tl.constexpr, H: tl.constexpr, HP: tl.constexpr, MIX: tl.constexpr):
-    """``out[x, y, h] = Σ_g a[x, y, g] · (M0[r0[x], g, h] + M1[r1[y], g, h])`` for a
-    (X, Y, HP) tile: M0 indexed by the tokens of axis 0, M1 by those of axis 1 (r0: (X, 1, 1),
-    r1: (Y, 1, 1); either may be absent)."""
-    out = tl.zeros_like(a)
+             HAS1: tl.constexpr, o0, HO: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+             MIX: tl.constexpr):
+    """``out[x, y, h] = Σ_g a[x, y, g] · (M0[r0[x], g, o0 + h] + M1[r1[y], g, o0 + h])`` for
+    an (X, Y, HP) tile and the HO output heads from o0: M0 indexed by the tokens of axis 0,
+    M1 by those of axis 1 (r0: (X, 1, 1), r1: (Y, 1, 1); either may be absent)."""
+    out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
-        out += _mix(a, M0, r0, n0, g0, h0, ok0, H, HP, MIX)
+        out += _mix(a, M0, r0, n0, g0, h0, ok0, o0, HO, H, HP, MIX)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
-        out += tl.permute(_mix(at, M1, r1, n1, g1, h1, ok1, H, HP, MIX), (1, 0, 2))
+        out += tl.permute(_mix(at, M1, r1, n1, g1, h1, ok1, o0, HO, H, HP, MIX), (1, 0, 2))
     return out
+
+
+@triton.jit
+def _group(a, h0, HO: tl.constexpr):
+    """``a[:, :, h0:h0 + HO]`` of an (X, Y, heads) tile (a itself when that is all of it)."""
+    if HO == a.shape[2]:
+        return a
+    idx = h0 + tl.arange(0, HO)[None, None, :]
+    return tl.gather(a, tl.broadcast_to(idx, (a.shape[0], a.shape[1], HO)), 2)
 
 
 @triton.jit
@@ -111,40 +128,71 @@ def _matrix_grad(acc, a, d, MIX: tl.constexpr):
 
 
 @triton.jit
-def _store_matrix_grad(DM, acc, b, idx, N, H: tl.constexpr, HP: tl.constexpr):
-    """acc[x, g, h] -> DM[b, idx[x], g, h] of a contiguous (B, N, H, H) float32 tensor."""
+def _store_matrix_grad(DM, acc, b, idx, N, g0, h0, H: tl.constexpr):
+    """acc[x, g, h] -> DM[b, idx[x], g0 + g, h0 + h] of a contiguous (B, N, H, H) float32
+    tensor."""
     n = idx[:, None, None]
-    g = tl.arange(0, HP)[None, :, None]
-    h = tl.arange(0, HP)[None, None, :]
+    g = g0 + tl.arange(0, acc.shape[1])[None, :, None]
+    h = h0 + tl.arange(0, acc.shape[2])[None, None, :]
     tl.store(DM + ((b * N + n) * H + g) * H + h, acc, mask=(g < H) & (h < H) & (n < N))
 
 
 @triton.jit
-def _scores(a, bt, scale, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
+def _load_t_halves(P, off, sd, ok, D: tl.constexpr, DP: tl.constexpr):
+    """The (heads, D, cols) tile ``P[off + d·sd]`` as its two halves along the head dim
+    when DP ≥ 32 (a bf16 product needs 16 lanes of it), else as itself, twice."""
+    if DP >= 32:
+        d0 = tl.arange(0, DP // 2)[None, :, None]
+        d1 = DP // 2 + d0
+        a0 = tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0)
+        a1 = tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0)
+    else:
+        d = tl.arange(0, DP)[None, :, None]
+        a0 = tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0)
+        a1 = a0
+    return a0, a1
+
+
+@triton.jit
+def _dot_by_halves(P, off, sd, ok, b0, b1, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
+    """``a @ b`` for the (heads, rows, D) tile ``a = P[off + d·sd]``, loaded here by halves
+    of the head dim (b0, b1: b's halves, `_load_t_halves`): half of a is live at a time."""
+    if DP >= 32:
+        d0 = tl.arange(0, DP // 2)[None, None, :]
+        d1 = DP // 2 + d0
+        out = _dot(tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0), b0, PRECISION)
+        out += _dot(tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0), b1, PRECISION)
+    else:
+        d = tl.arange(0, DP)[None, None, :]
+        out = _dot(tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0), b0, PRECISION)
+    return out
+
+
+@triton.jit
+def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
             MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
             H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PRE: tl.constexpr,
-            HAS_MK1: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr):
-    """(s0, s1): the scaled scores ``a @ bt`` ((heads, rows, cols) operands) laid out
-    (rows, cols, heads), and the logits after pre-compose and the mask, -inf at padded
-    keys. t, s: query and key indices, (X, 1, 1) for axis 0 and (Y, 1, 1) for axis 1 of
-    the tile: axis 0 holds the queries when Q_SIDE, else the keys."""
-    s0 = _heads_last(_dot_t(a, bt, PRECISION)) * scale
+            HAS_MK1: tl.constexpr, MIX: tl.constexpr):
+    """The logits after pre-compose and the mask, -inf at padded keys, from the scaled
+    scores s0 laid out (rows, cols, heads). t, s: query and key indices, (X, 1, 1) for
+    axis 0 and (Y, 1, 1) for axis 1 of the tile: axis 0 holds the queries when Q_SIDE,
+    else the keys."""
     x = s0
     h = tl.arange(0, HP)[None, None, :]
     if Q_SIDE:
         tq, sk = t, tl.permute(s, (1, 0, 2))                         # (X, 1, 1), (1, Y, 1)
         if HAS_PRE:
             x = _compose(s0, MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True,
-                         MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1, H, HP, MIX)
+                         MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1, 0, HP, H, HP, MIX)
     else:
         tq, sk = tl.permute(t, (1, 0, 2)), s
         if HAS_PRE:
             x = _compose(s0, MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1,
-                         MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True, H, HP, MIX)
+                         MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True, 0, HP, H, HP, MIX)
     if HAS_MASK:
         x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
                      mask=(h < H) & (tq < T) & (sk < S), other=0.0).to(tl.float32)
-    return s0, tl.where(sk < S, x, float("-inf"))
+    return tl.where(sk < S, x, float("-inf"))
 
 
 @triton.jit
@@ -155,17 +203,23 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    a2b, a2n, a2g, a2h, b2b, b2n, b2g, b2h,
                    T, S, scale,
                    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                   BT: tl.constexpr, BS: tl.constexpr, HAS_MASK: tl.constexpr,
+                   BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                    HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                    HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr):
-    """One block of BT queries, all heads: O (B, T, H, D) and LSE (B, H, T)."""
+    """One block of BT queries and one group of HP/G heads (program_id 2): their rows of
+    O (B, T, H, D) and LSE (B, H, T). The scores of all heads are computed (Compose mixes
+    them); only the group's output columns are post-composed and accumulated."""
+    HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
+    h0 = 0                                                                  # the group's first head
+    if G > 1:
+        h0 = tl.program_id(2) * HG
     t_idx = tl.program_id(0) * BT + tl.arange(0, BT)
     hh = tl.arange(0, HP)[:, None, None]                                    # (heads, ., .) tiles
-    d3 = tl.arange(0, DP)[None, None, :]
     hm = hh < H
-    tr = t_idx[None, :, None]
-    q = tl.load(Q + b * sqb + hh * sqh + tr * sqt + d3 * sqd, mask=hm & (tr < T) & (d3 < D), other=0.0)
+    dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, queries) tiles
+    tc = t_idx[None, None, :]
+    qt0, qt1 = _load_t_halves(Q + b * sqb, hh * sqh + tc * sqt, sqd, hm & (tc < T), D, DP)
     t = t_idx[:, None, None]                                                # (tokens, ., heads) tiles
     h2 = tl.arange(0, HP)[None, :]
 
@@ -173,34 +227,39 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     l_i = tl.zeros((BT, HP), tl.float32)
     for start in range(0, S, BS):                                           # pass 1: row statistics
         sr = start + tl.arange(0, BS)[None, :, None]
-        k = tl.load(K + b * skb + hh * skh + sr * sks + d3 * skd, mask=hm & (sr < S) & (d3 < D), other=0.0)
         s = start + tl.arange(0, BS)[:, None, None]
-        _, x = _scores(q, k, scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                       MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                       H, HP, HAS_MASK, HAS_PRE, HAS_MK1, PRECISION, MIX)    # (BT, BS, HP)
+        x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
+                                   PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
+                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)    # (BT, BS, HP)
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new[:, None, :]), axis=1)
         m_i = m_new
     lse = m_i + tl.log(l_i)
     t2 = t_idx[:, None]
-    tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 < H) & (t2 < T))
+    tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
 
-    acc = tl.zeros((HP, BT, DP), tl.float32)
+    hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
+    gm = hg < H
+    acc = tl.zeros((HG, DP, BT), tl.float32)                                # Oᵀ
     for start in range(0, S, BS):                                           # pass 2: output
         sr = start + tl.arange(0, BS)[None, :, None]
-        k = tl.load(K + b * skb + hh * skh + sr * sks + d3 * skd, mask=hm & (sr < S) & (d3 < D), other=0.0)
         s = start + tl.arange(0, BS)[:, None, None]
-        _, x = _scores(q, k, scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                       MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                       H, HP, HAS_MASK, HAS_PRE, HAS_MK1, PRECISION, MIX)
+        x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
+                                   PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
+                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)
         p = tl.exp(x - lse[:, None, :])
         if HAS_POST:
             p = _compose(p, MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True,
-                         MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2, H, HP, MIX)
-        v = tl.load(V + b * svb + hh * svh + sr * svs + d3 * svd, mask=hm & (sr < S) & (d3 < D), other=0.0)
-        acc += _dot(_heads_first(p).to(V.dtype.element_ty), v, PRECISION)
-    tl.store(O + b * sob + hh * soh + tr * sot + d3 * sod, acc.to(O.dtype.element_ty),
-             mask=hm & (tr < T) & (d3 < D))
+                         MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2, h0, HG, H, HP, MIX)
+        else:
+            p = _group(p, h0, HG)
+        sc = start + tl.arange(0, BS)[None, None, :]
+        vt = tl.load(V + b * svb + hg * svh + sc * svs + dc * svd, mask=gm & (sc < S) & (dc < D), other=0.0)
+        acc += _dot(vt, _t(p).to(V.dtype.element_ty), PRECISION)
+    tl.store(O + b * sob + hg * soh + tc * sot + dc * sod, acc.to(O.dtype.element_ty),
+             mask=gm & (tc < T) & (dc < D))
 
 
 @triton.jit
@@ -211,21 +270,25 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                           a2b, a2n, a2g, a2h, b2b, b2n, b2g, b2h,
                           T, S, scale,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                          BT: tl.constexpr, BS: tl.constexpr, HAS_MASK: tl.constexpr,
+                          BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                           HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                           HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
                           PRECISION: tl.constexpr, MIX: tl.constexpr):
-    """One block of BT queries, all heads: DELTA (B, H, T), dq (B, H, T, D) and the per-query
-    matrix gradients dMq1, dMq2 (B, T, H, H)."""
+    """One block of BT queries and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
+    and dq (B, H, T, D) of those heads, and the per-query matrix gradients dMq1[t, h, :],
+    dMq2[t, :, h] (B, T, H, H)."""
+    HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
+    h0 = 0                                                                  # the group's first head
+    if G > 1:
+        h0 = tl.program_id(2) * HG
     t_idx = tl.program_id(0) * BT + tl.arange(0, BT)
     hh = tl.arange(0, HP)[:, None, None]
-    d3 = tl.arange(0, DP)[None, None, :]
     hm = hh < H
-    tr = t_idx[None, :, None]
-    row_ok = hm & (tr < T) & (d3 < D)
-    q = tl.load(Q + b * sqb + hh * sqh + tr * sqt + d3 * sqd, mask=row_ok, other=0.0)
-    do = tl.load(DO + b * sgb + hh * sgh + tr * sgt + d3 * sgd, mask=row_ok, other=0.0)
+    dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, queries) tiles
+    tc = t_idx[None, None, :]
+    qt0, qt1 = _load_t_halves(Q + b * sqb, hh * sqh + tc * sqt, sqd, hm & (tc < T), D, DP)
+    dot0, dot1 = _load_t_halves(DO + b * sgb, hh * sgh + tc * sgt, sgd, hm & (tc < T), D, DP)
     t = t_idx[:, None, None]
     t2 = t_idx[:, None]
     h2 = tl.arange(0, HP)[None, :]
@@ -233,53 +296,60 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
     lse = tl.load(LSE + stat, mask=(h2 < H) & (t2 < T), other=0.0)
 
     delta = tl.zeros((BT, HP), tl.float32)
-    dm2 = tl.zeros((BT, HP, HP), tl.float32)
+    dm2 = tl.zeros((BT, HP, HG), tl.float32)
     for start in range(0, S, BS):                                           # pass 1: delta, dMq2
         sr = start + tl.arange(0, BS)[None, :, None]
-        kv_ok = hm & (sr < S) & (d3 < D)
-        k = tl.load(K + b * skb + hh * skh + sr * sks + d3 * skd, mask=kv_ok, other=0.0)
         s = start + tl.arange(0, BS)[:, None, None]
-        _, x = _scores(q, k, scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                       MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                       H, HP, HAS_MASK, HAS_PRE, HAS_MK1, PRECISION, MIX)
+        s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
+                               PRECISION)) * scale
+        x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
+                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)
         p = tl.exp(x - lse[:, None, :])
-        v = tl.load(V + b * svb + hh * svh + sr * svs + d3 * svd, mask=kv_ok, other=0.0)
-        dp = _heads_last(_dot_t(do, v, PRECISION))                          # dL/dp2 (BT, BS, HP)
+        dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
+                               PRECISION))                                   # dL/dp2 (BT, BS, HP)
         if HAS_POST:
             if WANT_DMQ2:
-                dm2 = _matrix_grad(dm2, p, dp, MIX)
+                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX)
             dp = _compose(dp, MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True,
-                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, H, HP, MIX)
+                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX)
         delta += tl.sum(p * dp, axis=1)
-    tl.store(DELTA + stat, delta, mask=(h2 < H) & (t2 < T))
+    tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
 
-    dq = tl.zeros((HP, BT, DP), tl.float32)
-    dm1 = tl.zeros((BT, HP, HP), tl.float32)
+    hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
+    gm = hg < H
+    dqt = tl.zeros((HG, DP, BT), tl.float32)                                # dqᵀ, dMq1ᵀ: 8 queries, heads
+    dm1t = tl.zeros((BT, HP, HG), tl.float32)                               # as a product's columns
     for start in range(0, S, BS):                                           # pass 2: dq, dMq1
         sr = start + tl.arange(0, BS)[None, :, None]
-        kv_ok = hm & (sr < S) & (d3 < D)
-        k = tl.load(K + b * skb + hh * skh + sr * sks + d3 * skd, mask=kv_ok, other=0.0)
         s = start + tl.arange(0, BS)[:, None, None]
-        s0, x = _scores(q, k, scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                        MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                        H, HP, HAS_MASK, HAS_PRE, HAS_MK1, PRECISION, MIX)
-        v = tl.load(V + b * svb + hh * svh + sr * svs + d3 * svd, mask=kv_ok, other=0.0)
-        dp = _heads_last(_dot_t(do, v, PRECISION))
+        s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
+                               PRECISION)) * scale
+        x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
+                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)
+        dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
+                               PRECISION))
         if HAS_POST:
             dp = _compose(dp, MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True,
-                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, H, HP, MIX)
+                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX)
         ds = tl.exp(x - lse[:, None, :]) * (dp - delta[:, None, :])        # dL/ds1
         if HAS_PRE:
             if WANT_DMQ1:
-                dm1 = _matrix_grad(dm1, s0, ds, MIX)
+                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX)
             ds = _compose(ds, MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True,
-                          MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1, H, HP, MIX)
-        dq += _dot(_heads_first(ds).to(K.dtype.element_ty), k, PRECISION)
-    tl.store(DQ + b * sdb + hh * sdh + tr * sdt + d3 * sdd, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok)
+                          MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1, h0, HG, H, HP, MIX)
+        else:
+            ds = _group(ds, h0, HG)
+        sc = start + tl.arange(0, BS)[None, None, :]
+        kgt = tl.load(K + b * skb + hg * skh + sc * sks + dc * skd, mask=gm & (sc < S) & (dc < D), other=0.0)
+        dqt += _dot(kgt, _t(ds).to(K.dtype.element_ty), PRECISION)
+    tl.store(DQ + b * sdb + hg * sdh + tc * sdt + dc * sdd, (dqt * scale).to(DQ.dtype.element_ty),
+             mask=gm & (tc < T) & (dc < D))
     if WANT_DMQ1:
-        _store_matrix_grad(DMQ1, dm1, b, t_idx, T, H, HP)
+        _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)), b, t_idx, T, h0, 0, H)
     if WANT_DMQ2:
-        _store_matrix_grad(DMQ2, dm2, b, t_idx, T, H, HP)
+        _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H)
 
 
 @triton.jit
@@ -290,62 +360,75 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                         a2b, a2n, a2g, a2h, b2b, b2n, b2g, b2h,
                         T, S, scale,
                         H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                        BT: tl.constexpr, BS: tl.constexpr, HAS_MASK: tl.constexpr,
+                        BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                         HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                         HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr,
                         PRECISION: tl.constexpr, MIX: tl.constexpr):
-    """One block of BS keys, all heads, over every query block: dk, dv (B, H, S, D) (the
-    same strides) and the key-side matrix gradients dMk1, dMk2 (B, S, H, H). Compose tiles
-    are (keys, queries, heads)."""
+    """One block of BS keys and one group of HP/G heads h (program_id 2), over every query
+    block: dk, dv (B, H, S, D) (the same strides) of those heads and the key-side matrix
+    gradients dMk1[s, h, :], dMk2[s, :, h] (B, S, H, H). Compose tiles are (keys, queries,
+    heads)."""
+    HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
+    h0 = 0                                                                  # the group's first head
+    if G > 1:
+        h0 = tl.program_id(2) * HG
     s_idx = tl.program_id(0) * BS + tl.arange(0, BS)
     hh = tl.arange(0, HP)[:, None, None]
-    d3 = tl.arange(0, DP)[None, None, :]
     hm = hh < H
-    sr = s_idx[None, :, None]
-    key_ok = hm & (sr < S) & (d3 < D)
-    k = tl.load(K + b * skb + hh * skh + sr * sks + d3 * skd, mask=key_ok, other=0.0)
-    v = tl.load(V + b * svb + hh * svh + sr * svs + d3 * svd, mask=key_ok, other=0.0)
     s = s_idx[:, None, None]
     h3 = tl.arange(0, HP)[None, None, :]
-
-    dk = tl.zeros((HP, BS, DP), tl.float32)
-    dv = tl.zeros((HP, BS, DP), tl.float32)
-    dm1 = tl.zeros((BS, HP, HP), tl.float32)
-    dm2 = tl.zeros((BS, HP, HP), tl.float32)
+    hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
+    gm = hg < H
+    dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, keys) tiles
+    sc = s_idx[None, None, :]
+    kt0, kt1 = _load_t_halves(K + b * skb, hh * skh + sc * sks, skd, hm & (sc < S), D, DP)
+    vt0, vt1 = _load_t_halves(V + b * svb, hh * svh + sc * svs, svd, hm & (sc < S), D, DP)
+    dkt = tl.zeros((HG, DP, BS), tl.float32)                                # dkᵀ, dvᵀ: 8 keys fill
+    dvt = tl.zeros((HG, DP, BS), tl.float32)                                # a tensor-core product's columns
+    dm1t = tl.zeros((BS, HP, HG), tl.float32)                               # dMk1ᵀ: 8 heads as columns
+    dm2 = tl.zeros((BS, HP, HG), tl.float32)
     for start in range(0, T, BT):
         tr = start + tl.arange(0, BT)[None, :, None]
-        row_ok = hm & (tr < T) & (d3 < D)
-        q = tl.load(Q + b * sqb + hh * sqh + tr * sqt + d3 * sqd, mask=row_ok, other=0.0)
         t = start + tl.arange(0, BT)[:, None, None]
-        s0, x = _scores(k, q, scale, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
-                        MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                        H, HP, HAS_MASK, HAS_PRE, HAS_MK1, PRECISION, MIX)   # (BS, BT, HP)
+        s0 = _t(_dot_by_halves(Q + b * sqb, hh * sqh + tr * sqt, sqd, hm & (tr < T), kt0, kt1, D, DP,
+                               PRECISION)) * scale
+        x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
+                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)   # (BS, BT, HP)
         stat = (b * H + h3) * T + tr
         p = tl.where(tr < T, tl.exp(x - tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0)), 0.0)
-        do = tl.load(DO + b * sgb + hh * sgh + tr * sgt + d3 * sgd, mask=row_ok, other=0.0)
-        p2 = p
-        if HAS_POST:
-            p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, H, HP, MIX)
-        dv += _dot(_heads_first(p2).to(DO.dtype.element_ty), do, PRECISION)
-        dp = _heads_last(_dot_t(v, do, PRECISION))                           # dL/dp2 (BS, BT, HP)
+        dp = _t(_dot_by_halves(DO + b * sgb, hh * sgh + tr * sgt, sgd, hm & (tr < T), vt0, vt1, D, DP,
+                               PRECISION))                                   # dL/dp2 (BS, BT, HP)
         if HAS_POST:
             if WANT_DMK2:
-                dm2 = _matrix_grad(dm2, p, dp, MIX)
+                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX)
             dp = _compose(dp, MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True, H, HP, MIX)
+                          MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True, 0, HP, H, HP, MIX)
         ds = p * (dp - tl.load(DELTA + stat, mask=(h3 < H) & (tr < T), other=0.0))
         if HAS_PRE:
             if WANT_DMK1:
-                dm1 = _matrix_grad(dm1, s0, ds, MIX)
+                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX)
+        tc = start + tl.arange(0, BT)[None, None, :]
+        tc_ok = gm & (dc < D) & (tc < T)
+        if HAS_POST:
+            p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
+                          MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, h0, HG, H, HP, MIX)
+        else:
+            p2 = _group(p, h0, HG)
+        dogt = tl.load(DO + b * sgb + hg * sgh + tc * sgt + dc * sgd, mask=tc_ok, other=0.0)
+        dvt += _dot(dogt, _t(p2).to(DO.dtype.element_ty), PRECISION)
+        if HAS_PRE:
             ds = _compose(ds, MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1,
-                          MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True, H, HP, MIX)
-        dk += _dot(_heads_first(ds).to(Q.dtype.element_ty), q, PRECISION)
-    out = b * sdb + hh * sdh + sr * sds + d3 * sdd
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok)
+                          MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True, h0, HG, H, HP, MIX)
+        else:
+            ds = _group(ds, h0, HG)
+        qgt = tl.load(Q + b * sqb + hg * sqh + tc * sqt + dc * sqd, mask=tc_ok, other=0.0)
+        dkt += _dot(qgt, _t(ds).to(Q.dtype.element_ty), PRECISION)
+    out = b * sdb + hg * sdh + sc * sds + dc * sdd
+    tl.store(DK + out, (dkt * scale).to(DK.dtype.element_ty), mask=gm & (sc < S) & (dc < D))
+    tl.store(DV + out, dvt.to(DV.dtype.element_ty), mask=gm & (sc < S) & (dc < D))
     if WANT_DMK1:
-        _store_matrix_grad(DMK1, dm1, b, s_idx, S, H, HP)
+        _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)), b, s_idx, S, h0, 0, H)
     if WANT_DMK2:
-        _store_matrix_grad(DMK2, dm2, b, s_idx, S, H, HP)
+        _store_matrix_grad(DMK2, dm2, b, s_idx, S, 0, h0, H)

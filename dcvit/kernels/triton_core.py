@@ -131,20 +131,25 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, Optional[int]]]:
-    """Candidate blocks (BT queries, BS keys), warps, pipeline stages and register cap of
+def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, int]]:
+    """Candidate blocks (BT queries, BS keys), head groups G, warps and pipeline stages of
     ``kernel`` for H heads. The first is the one the interpreter runs; on a GPU Triton's
     autotuner times the candidates once per (heads, head dim, sequence lengths) and keeps the
-    fastest (each one more compilation). Each candidate is one that
-    ``scripts/kernel_report.py`` measured (tests/test_kernel_resources.py): a program holds
-    its rows of all heads, so one pipeline stage (a second would double the tiles in shared
-    memory), 8 warps, and with 16 padded heads 8 rows per program in the backward kernels
-    (the key kernel's keys, the query kernel's queries)."""
-    if _padded_heads(H) <= 8 or kernel == "forward_kernel":
-        return [dict(BT=16, BS=16, num_warps=8, num_stages=1, maxnreg=None)]
-    if kernel == "backward_key_kernel":
-        return [dict(BT=16, BS=8, num_warps=8, num_stages=1, maxnreg=255)]
-    return [dict(BT=8, BS=16, num_warps=8, num_stages=1, maxnreg=None)]
+    fastest (each one more compilation). Each candidate compiles without a register spill for
+    sm_80 and sm_90 (``scripts/kernel_report.py``, tests/test_kernel_resources.py): one
+    pipeline stage (a second would double the tiles in shared memory), 8 warps, 8 keys per
+    key-kernel program; with 16 padded heads 8 queries per query-kernel program, 16 or 8 per
+    forward program, and the key kernel's heads split between G = 2 programs per key block
+    (each recomputes the scores and Compose of all heads for the accumulators of half)."""
+    if _padded_heads(H) <= 8:
+        return [dict(BT=16, BS=8 if kernel == "backward_key_kernel" else 16, G=1, num_warps=8,
+                     num_stages=1)]
+    if kernel == "forward_kernel":
+        return [dict(BT=16, BS=16, G=1, num_warps=8, num_stages=1),
+                dict(BT=8, BS=16, G=1, num_warps=8, num_stages=1)]
+    if kernel == "backward_query_kernel":
+        return [dict(BT=8, BS=16, G=1, num_warps=8, num_stages=1)]
+    return [dict(BT=16, BS=8, G=2, num_warps=8, num_stages=1)]
 
 
 _tuned: Dict[Tuple[str, int], object] = {}
@@ -158,14 +163,14 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
     kernel = getattr(_kernels(device), name)
     if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
         c = block_sizes(H, name)[0]
-        kernel[(triton.cdiv(rows, c[block]), B)](*args, BT=c["BT"], BS=c["BS"], **kwargs)
+        kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"], **kwargs)
         return
     key = (name, H)
     if key not in _tuned:
-        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"]}, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name)]
+        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"], "G": c["G"]}, num_warps=c["num_warps"],
+                                 num_stages=c["num_stages"]) for c in block_sizes(H, name)]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
-    _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B)](*args, **kwargs)
+    _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **kwargs)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -217,11 +222,12 @@ def _padded_heads(H: int) -> int:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's precision: float32 in full ("ieee", not TF32); bf16/fp16 natively, except
-    bf16 in the interpreter, which cannot multiply bf16 tiles ("exact": as float32)."""
-    if dtype == torch.float32:
-        return "ieee"
-    return "exact" if dtype == torch.bfloat16 and interpreted() else "tf32"
+    """tl.dot's precision: float32 in full ("ieee", not TF32); bf16/fp16 natively. In the
+    interpreter, float32 and bf16 products are summed in a fixed order ("exact", see
+    `triton_attention._dot`; it cannot multiply bf16 tiles at all)."""
+    if interpreted() and dtype in (torch.float32, torch.bfloat16):
+        return "exact"
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
