@@ -13,16 +13,21 @@ the (B, H, N, N) maps.
 * The maps are kept query-major, (B, T, H, S), so that the softmax runs on the last axis.
 * A Compose stage is two batched ``MatMul``: the query side ``Mq[b,t]^T @ a[b,t]`` (one
   H×H matrix per query, on (H, S) blocks) and the key side ``a[b,:,:,s] @ Mk[b,s]`` (per
-  key, on (T, H) blocks of the map moved to (B, S, T, H)), then one ``Add``.
-* Every layout change moves a single axis (ONNX Runtime's fast transposes). A reshape
-  (`_materialised`) fixes the query-major map as a tensor of its own: without it ONNX
-  Runtime's transpose optimiser merges the two layout changes around a Compose stage into
-  one general permutation, several times slower.
+  key, on (T, H) blocks of the map moved to (B, S, T, H)), then one ``Add``. The key side's
+  layout changes are transposes of two axes of a 3-D view (reshapes around them), which
+  ONNX Runtime's transpose optimiser cannot merge with the neighbouring ones into a general
+  permutation, several times slower.
+* Without a mask, the maps are made one sample at a time: a ``scan`` over the batch
+  (ONNX ``Scan``, a loop in AOTInductor) runs scores, both Compose stages, softmax and
+  p v on one (H, N, N) map, which stays in cache (0.9 MB for ViT-S/16), where a batch of 16 ViT-S maps
+  (15 MB each) is moved through memory by every op. The dynamic weights' GEMMs stay
+  batched. A masked layer (Swin's windows, causal attention) runs the same ops on the
+  whole batch.
 
 Attention dropout in training needs the composed weights as the reference core makes them:
 a training-mode layer with ``attn_drop > 0`` runs the reference core.
 """
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -71,18 +76,12 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
     return m + torch.stack(fixed)                                # (parameters only: folded by engines)
 
 
-def _materialised(a: Tensor) -> Tensor:
-    """``a`` itself, through a reshape that engines keep (see the module docstring)."""
-    B, T, H, S = a.shape
-    return a.reshape(B, T, H * S).reshape(B, T, H, S)
-
-
 def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_slot: Optional[int],
              k_slot: Optional[int]) -> Tensor:
     """One Compose stage on the query-major map a (B, T, H, S)."""
     if stage is None:
         return a
-    H = a.shape[2]
+    B, T, H, S = a.shape
     if mats is not None and q_slot is not None:
         out = mats[:, :, q_slot].transpose(-1, -2) @ a                          # (B, T, H, S)
     elif stage.static is not None:
@@ -90,10 +89,27 @@ def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_sl
         out = (eye + stage.static.to(a.dtype)).transpose(0, 1) @ a
     else:
         out = a
-    if mats is not None and k_slot is not None:
-        per_key = a.permute(0, 3, 1, 2) @ mats[:, :, k_slot]                    # (B, S, T, H)
-        out = out + per_key.permute(0, 2, 3, 1)
+    if mats is not None and k_slot is not None:                  # key-major (B, S, T, H) and back
+        per_key = a.reshape(B, T * H, S).transpose(1, 2).reshape(B, S, T, H) @ mats[:, :, k_slot]
+        out = out + per_key.reshape(B, S, T * H).transpose(1, 2).reshape(B, T, H, S)
     return out
+
+
+def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[Tensor],
+               mask: Optional[Tensor]) -> Tensor:
+    """Scores, both Compose stages, softmax and p v on query-major maps: q, k, v (B, H, N, D),
+    the slot matrices (B, N, G, H, H) and an additive mask broadcastable to (B, H, N, N)."""
+    slots = layer.slots
+    a = ((q * layer.scale) @ k.transpose(-2, -1)).transpose(1, 2)             # (B, T, H, S)
+    a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
+    if mask is not None:
+        mask = mask.to(a.dtype)
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        a = a + mask.transpose(1, 2)
+    a = a.softmax(dim=-1)
+    a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
+    return a.transpose(1, 2) @ v                                                # (B, H, T, D)
 
 
 def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
@@ -104,17 +120,16 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
     if layer.training and layer.attn_drop.p > 0:
         w1, w2, dd = layer.dynamic_weights(x) if layer.dynamic_weights is not None else (None, None, None)
         return layer._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
-    N = q.shape[2]
-    slots = layer.slots
     mats = _slot_matrices(layer, x.to(q.dtype))
-    a = _materialised(((q * layer.scale) @ k.transpose(-2, -1)).transpose(1, 2))   # (B, T, H, S)
-    a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
-    mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)
+    mask = resolve_self_attn_mask(q.shape[2], q, attn_mask, is_causal)
     if mask is not None:
-        mask = mask.to(a.dtype)
-        while mask.dim() < 4:
-            mask = mask.unsqueeze(0)
-        a = a + mask.transpose(1, 2)
-    a = a.softmax(dim=-1)
-    a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
-    return _materialised(a).transpose(1, 2) @ v                                # (B, H, T, D)
+        return _attention(layer, q, k, v, mats, mask)
+    from torch._higher_order_ops.scan import scan
+
+    def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
+        one = [t.unsqueeze(0) for t in xs]
+        out = _attention(layer, one[0], one[1], one[2], one[3] if len(one) > 3 else None, None)
+        return carry.clone(), out.squeeze(0)
+
+    _, out = scan(sample, q.new_zeros(()), [q, k, v] + ([mats] if mats is not None else []))
+    return out

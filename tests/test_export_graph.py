@@ -38,7 +38,9 @@ def _layer(dtype=torch.float64, **options):
 
 
 def _targets(program):
-    return [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    """Every op the program calls, inside its subgraphs (the per-sample scan's body) too."""
+    return [str(n.target) for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.op == "call_function"]
 
 
 def _export(module, args, dynamic_shapes=None):
