@@ -62,7 +62,7 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
         w = (hidden @ qkw).reshape(B, N, G, 2 * R, H)
         w1, w2 = w[..., :R, :], w[..., R:, :]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS)
-        m = (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)                  # (B, N, G, H, H)
+        m = w1.transpose(-1, -2) @ w2                                          # (B, N, G, H, H)
     if dw.dd_w is not None:
         if gate_in is None:
             gate_in = x @ dw.dd_w
@@ -78,29 +78,30 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
 
 def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_slot: Optional[int],
              k_slot: Optional[int]) -> Tensor:
-    """One Compose stage on the query-major map a (B, T, H, S)."""
+    """One Compose stage on the query-major map a (..., T, H, S) with the slot matrices
+    (..., N, G, H, H) (leading axes: the batch, or none for one sample)."""
     if stage is None:
         return a
-    B, T, H, S = a.shape
+    *lead, T, H, S = a.shape
     if mats is not None and q_slot is not None:
-        out = mats[:, :, q_slot].transpose(-1, -2) @ a                          # (B, T, H, S)
+        out = mats[..., q_slot, :, :].transpose(-1, -2) @ a                     # (..., T, H, S)
     elif stage.static is not None:
         eye = torch.eye(H, dtype=a.dtype, device=a.device)
         out = (eye + stage.static.to(a.dtype)).transpose(0, 1) @ a
     else:
         out = a
-    if mats is not None and k_slot is not None:                  # key-major (B, S, T, H) and back
-        per_key = a.reshape(B, T * H, S).transpose(1, 2).reshape(B, S, T, H) @ mats[:, :, k_slot]
-        out = out + per_key.reshape(B, S, T * H).transpose(1, 2).reshape(B, T, H, S)
+    if mats is not None and k_slot is not None:                  # key-major (..., S, T, H) and back
+        per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H) @ mats[..., k_slot, :, :]
+        out = out + per_key.reshape(*lead, S, T * H).transpose(-1, -2).reshape(*lead, T, H, S)
     return out
 
 
 def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[Tensor],
                mask: Optional[Tensor]) -> Tensor:
-    """Scores, both Compose stages, softmax and p v on query-major maps: q, k, v (B, H, N, D),
-    the slot matrices (B, N, G, H, H) and an additive mask broadcastable to (B, H, N, N)."""
+    """Scores, both Compose stages, softmax and p v on query-major maps: q, k, v (..., H, N, D),
+    the slot matrices (..., N, G, H, H) and an additive mask broadcastable to (B, H, N, N)."""
     slots = layer.slots
-    a = ((q * layer.scale) @ k.transpose(-2, -1)).transpose(1, 2)             # (B, T, H, S)
+    a = ((q * layer.scale) @ k.transpose(-2, -1)).transpose(-3, -2)           # (..., T, H, S)
     a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
     if mask is not None:
         mask = mask.to(a.dtype)
@@ -109,7 +110,7 @@ def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional
         a = a + mask.transpose(1, 2)
     a = a.softmax(dim=-1)
     a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
-    return a.transpose(1, 2) @ v                                                # (B, H, T, D)
+    return a.transpose(-3, -2) @ v                                              # (..., H, T, D)
 
 
 def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
@@ -127,9 +128,7 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
     from torch._higher_order_ops.scan import scan
 
     def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
-        one = [t.unsqueeze(0) for t in xs]
-        out = _attention(layer, one[0], one[1], one[2], one[3] if len(one) > 3 else None, None)
-        return carry.clone(), out.squeeze(0)
+        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], xs[3] if len(xs) > 3 else None, None)
 
     _, out = scan(sample, q.new_zeros(()), [q, k, v] + ([mats] if mats is not None else []))
     return out
