@@ -17,12 +17,13 @@ the (B, H, N, N) maps.
   layout changes are transposes of two axes of a 3-D view (reshapes around them), which
   ONNX Runtime's transpose optimiser cannot merge with the neighbouring ones into a general
   permutation, several times slower.
-* Without a mask, the maps are made one sample at a time: a ``scan`` over the batch
-  (ONNX ``Scan``, a loop in AOTInductor) runs scores, both Compose stages, softmax and
-  p v on one (H, N, N) map, which stays in cache (0.9 MB for ViT-S/16), where a batch of 16 ViT-S maps
-  (15 MB each) is moved through memory by every op. The dynamic weights' GEMMs stay
-  batched. A masked layer (Swin's windows, causal attention) runs the same ops on the
-  whole batch.
+* In an ONNX export, without a mask, the maps are made one sample at a time: a ``scan``
+  over the batch (an ONNX ``Scan`` node) runs scores, both Compose stages, softmax and p v
+  on one (H, N, N) map, which stays in cache (0.9 MB for ViT-S/16), where a batch of 16
+  ViT-S maps (15 MB each) is moved through memory by every op; the dynamic weights' GEMMs
+  stay batched. Other exports (AOTInductor, whose loop over a ``scan`` ran DCViT-S/16 ten
+  times slower at batch 16) and masked layers (Swin's windows, causal attention) run the
+  same ops on the whole batch.
 
 Attention dropout in training needs the composed weights as the reference core makes them:
 a training-mode layer with ``attn_drop > 0`` runs the reference core.
@@ -123,7 +124,7 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
         return layer._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
     mats = _slot_matrices(layer, x.to(q.dtype))
     mask = resolve_self_attn_mask(q.shape[2], q, attn_mask, is_causal)
-    if mask is not None:
+    if mask is not None or not torch.onnx.is_in_onnx_export():
         return _attention(layer, q, k, v, mats, mask)
     from torch._higher_order_ops.scan import scan
 
