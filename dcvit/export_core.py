@@ -129,6 +129,7 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
     from torch._higher_order_ops.scan import scan
 
     def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
+        # scan needs a carry (an unused scalar), returned as a new tensor: no output may alias an input
         return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], xs[3] if len(xs) > 3 else None, None)
 
     _, out = scan(sample, q.new_zeros(()), [q, k, v] + ([mats] if mats is not None else []))
