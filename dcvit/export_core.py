@@ -92,7 +92,8 @@ def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_sl
     else:
         out = a
     if mats is not None and k_slot is not None:                  # key-major (..., S, T, H) and back
-        per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H) @ mats[..., k_slot, :, :]
+        per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H)
+        per_key = per_key @ mats[..., k_slot, :, :]
         out = out + per_key.reshape(*lead, S, T * H).transpose(-1, -2).reshape(*lead, T, H, S)
     return out
 
@@ -130,7 +131,8 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
 
     def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
         # scan needs a carry (an unused scalar), returned as a new tensor: no output may alias an input
-        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], xs[3] if len(xs) > 3 else None, None)
+        mats_one = xs[3] if len(xs) > 3 else None
+        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], mats_one, None)
 
     _, out = scan(sample, q.new_zeros(()), [q, k, v] + ([mats] if mats is not None else []))
     return out
