@@ -13,16 +13,22 @@ the (B, H, N, N) maps.
 * The maps are kept query-major, (B, T, H, S), so that the softmax runs on the last axis.
 * A Compose stage is two batched ``MatMul``: the query side ``Mq[b,t]^T @ a[b,t]`` (one
   H×H matrix per query, on (H, S) blocks) and the key side ``a[b,:,:,s] @ Mk[b,s]`` (per
-  key, on (T, H) blocks of the map moved to (B, S, T, H)), then one ``Add``.
-* Every layout change moves a single axis (ONNX Runtime's fast transposes). A reshape
-  (`_materialised`) fixes the query-major map as a tensor of its own: without it ONNX
-  Runtime's transpose optimiser merges the two layout changes around a Compose stage into
-  one general permutation, several times slower.
+  key, on (T, H) blocks of the map moved to (B, S, T, H)), then one ``Add``. The key side's
+  layout changes are transposes of two axes of a 3-D view (reshapes around them), which
+  ONNX Runtime's transpose optimiser cannot merge with the neighbouring ones into a general
+  permutation, several times slower.
+* In an ONNX export, without a mask, the maps are made one sample at a time: a ``scan``
+  over the batch (an ONNX ``Scan`` node) runs scores, both Compose stages, softmax and p v
+  on one (H, N, N) map, which stays in cache (0.9 MB for ViT-S/16), where a batch of 16
+  ViT-S maps (15 MB each) is moved through memory by every op; the dynamic weights' GEMMs
+  stay batched. Other exports (AOTInductor, whose loop over a ``scan`` ran DCViT-S/16 ten
+  times slower at batch 16) and masked layers (Swin's windows, causal attention) run the
+  same ops on the whole batch.
 
 Attention dropout in training needs the composed weights as the reference core makes them:
 a training-mode layer with ``attn_drop > 0`` runs the reference core.
 """
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -57,7 +63,7 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
         w = (hidden @ qkw).reshape(B, N, G, 2 * R, H)
         w1, w2 = w[..., :R, :], w[..., R:, :]
         w1 = w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS)
-        m = (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)                  # (B, N, G, H, H)
+        m = w1.transpose(-1, -2) @ w2                                          # (B, N, G, H, H)
     if dw.dd_w is not None:
         if gate_in is None:
             gate_in = x @ dw.dd_w
@@ -71,29 +77,42 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
     return m + torch.stack(fixed)                                # (parameters only: folded by engines)
 
 
-def _materialised(a: Tensor) -> Tensor:
-    """``a`` itself, through a reshape that engines keep (see the module docstring)."""
-    B, T, H, S = a.shape
-    return a.reshape(B, T, H * S).reshape(B, T, H, S)
-
-
 def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_slot: Optional[int],
              k_slot: Optional[int]) -> Tensor:
-    """One Compose stage on the query-major map a (B, T, H, S)."""
+    """One Compose stage on the query-major map a (..., T, H, S) with the slot matrices
+    (..., N, G, H, H) (leading axes: the batch, or none for one sample)."""
     if stage is None:
         return a
-    H = a.shape[2]
+    *lead, T, H, S = a.shape
     if mats is not None and q_slot is not None:
-        out = mats[:, :, q_slot].transpose(-1, -2) @ a                          # (B, T, H, S)
+        out = mats[..., q_slot, :, :].transpose(-1, -2) @ a                     # (..., T, H, S)
     elif stage.static is not None:
         eye = torch.eye(H, dtype=a.dtype, device=a.device)
         out = (eye + stage.static.to(a.dtype)).transpose(0, 1) @ a
     else:
         out = a
-    if mats is not None and k_slot is not None:
-        per_key = a.permute(0, 3, 1, 2) @ mats[:, :, k_slot]                    # (B, S, T, H)
-        out = out + per_key.permute(0, 2, 3, 1)
+    if mats is not None and k_slot is not None:                  # key-major (..., S, T, H) and back
+        per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H)
+        per_key = per_key @ mats[..., k_slot, :, :]
+        out = out + per_key.reshape(*lead, S, T * H).transpose(-1, -2).reshape(*lead, T, H, S)
     return out
+
+
+def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[Tensor],
+               mask: Optional[Tensor]) -> Tensor:
+    """Scores, both Compose stages, softmax and p v on query-major maps: q, k, v (..., H, N, D),
+    the slot matrices (..., N, G, H, H) and an additive mask broadcastable to (B, H, N, N)."""
+    slots = layer.slots
+    a = ((q * layer.scale) @ k.transpose(-2, -1)).transpose(-3, -2)           # (..., T, H, S)
+    a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
+    if mask is not None:
+        mask = mask.to(a.dtype)
+        while mask.dim() < 4:
+            mask = mask.unsqueeze(0)
+        a = a + mask.transpose(1, 2)
+    a = a.softmax(dim=-1)
+    a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
+    return a.transpose(-3, -2) @ v                                              # (..., H, T, D)
 
 
 def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
@@ -104,17 +123,16 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
     if layer.training and layer.attn_drop.p > 0:
         w1, w2, dd = layer.dynamic_weights(x) if layer.dynamic_weights is not None else (None, None, None)
         return layer._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
-    N = q.shape[2]
-    slots = layer.slots
     mats = _slot_matrices(layer, x.to(q.dtype))
-    a = _materialised(((q * layer.scale) @ k.transpose(-2, -1)).transpose(1, 2))   # (B, T, H, S)
-    a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
-    mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)
-    if mask is not None:
-        mask = mask.to(a.dtype)
-        while mask.dim() < 4:
-            mask = mask.unsqueeze(0)
-        a = a + mask.transpose(1, 2)
-    a = a.softmax(dim=-1)
-    a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
-    return _materialised(a).transpose(1, 2) @ v                                # (B, H, T, D)
+    mask = resolve_self_attn_mask(q.shape[2], q, attn_mask, is_causal)
+    if mask is not None or not torch.onnx.is_in_onnx_export():
+        return _attention(layer, q, k, v, mats, mask)
+    from torch._higher_order_ops.scan import scan
+
+    def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
+        # scan needs a carry (an unused scalar), returned as a new tensor: no output may alias an input
+        mats_one = xs[3] if len(xs) > 3 else None
+        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], mats_one, None)
+
+    _, out = scan(sample, q.new_zeros(()), [q, k, v] + ([mats] if mats is not None else []))
+    return out

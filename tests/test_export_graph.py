@@ -38,7 +38,9 @@ def _layer(dtype=torch.float64, **options):
 
 
 def _targets(program):
-    return [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    """Every op the program calls, inside its subgraphs (the per-sample scan's body) too."""
+    return [str(n.target) for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)
+            for n in m.graph.nodes if n.op == "call_function"]
 
 
 def _export(module, args, dynamic_shapes=None):
@@ -61,6 +63,23 @@ def test_exported_layer_is_matmuls_and_equals_the_reference_in_float64(name):
     x = torch.randn(3, 11, 48, dtype=torch.float64)             # another batch than exported
     with torch.no_grad(), attention_impl("reference"):
         want = layer(x)                                         # the paper's einsums (dcvit.compose)
+    torch.testing.assert_close(program.module()(x), want, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("name", ["default", "static_only", "key_wise_only", "post_only"])
+def test_onnx_export_scans_the_batch_and_equals_the_reference_in_float64(name, monkeypatch):
+    """In an ONNX export an unmasked layer makes its maps one sample at a time (a scan over
+    the batch, ONNX's Scan): the same values as the reference, at any batch size."""
+    layer = _layer(**ABLATIONS[name])
+    monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
+    program = _export(layer, (torch.randn(2, 11, 48, dtype=torch.float64),),
+                      dynamic_shapes=({0: Dim("batch", min=1, max=16)},))
+    _assert_engine_graph(program)
+    assert "scan" in [str(t).split(".")[-1] for t in _targets(program)]
+    monkeypatch.undo()
+    x = torch.randn(3, 11, 48, dtype=torch.float64)
+    with torch.no_grad(), attention_impl("reference"):
+        want = layer(x)
     torch.testing.assert_close(program.module()(x), want, rtol=1e-11, atol=1e-11)
 
 
