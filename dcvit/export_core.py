@@ -23,11 +23,13 @@ the (B, H, N, N) maps.
   ViT-S maps (15 MB each) is moved through memory by every op; the dynamic weights' GEMMs
   stay batched. Other exports (AOTInductor, whose loop over a ``scan`` ran DCViT-S/16 ten
   times slower at batch 16) and masked layers (Swin's windows, causal attention) run the
-  same ops on the whole batch.
+  same ops on the whole batch, as does an ONNX exporter that cannot convert a ``scan``
+  (torch releases before its converter).
 
 Attention dropout in training needs the composed weights as the reference core makes them:
 a training-mode layer with ``attn_drop > 0`` runs the reference core.
 """
+import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -115,6 +117,17 @@ def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional
     return a.transpose(-3, -2) @ v                                              # (..., H, T, D)
 
 
+@functools.cache
+def _onnx_exports_scan() -> bool:
+    """Whether torch's ONNX exporter converts a ``scan`` to ONNX ``Scan`` (its converter came
+    in 2025; an exporter without it gets the batched graph)."""
+    try:
+        from torch.onnx._internal.exporter._torchlib.ops import hop
+    except ImportError:
+        return False
+    return hasattr(hop, "higher_order_scan")
+
+
 def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
                 attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
     """The attention core of a `dcvit.DCMHA` (or converted) layer: q, k, v (B, H, N, D) and
@@ -125,7 +138,7 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
         return layer._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
     mats = _slot_matrices(layer, x.to(q.dtype))
     mask = resolve_self_attn_mask(q.shape[2], q, attn_mask, is_causal)
-    if mask is not None or not torch.onnx.is_in_onnx_export():
+    if mask is not None or not torch.onnx.is_in_onnx_export() or not _onnx_exports_scan():
         return _attention(layer, q, k, v, mats, mask)
     from torch._higher_order_ops.scan import scan
 

@@ -2,11 +2,11 @@
 the reference core's values (float64: to rounding; float32: within the export tolerances),
 for every ablation that changes the graph, masks and converted layers included."""
 import pytest
-import timm
 import torch
 from torch.export import Dim
 
 import dcvit
+from dcvit import export_core
 from dcvit.fused import attention_impl
 from dcvit.kernels import compose_cpu
 
@@ -75,12 +75,26 @@ def test_onnx_export_scans_the_batch_and_equals_the_reference_in_float64(name, m
     program = _export(layer, (torch.randn(2, 11, 48, dtype=torch.float64),),
                       dynamic_shapes=({0: Dim("batch", min=1, max=16)},))
     _assert_engine_graph(program)
-    assert "scan" in [str(t).split(".")[-1] for t in _targets(program)]
+    assert _scans(program) == export_core._onnx_exports_scan()
     monkeypatch.undo()
     x = torch.randn(3, 11, 48, dtype=torch.float64)
     with torch.no_grad(), attention_impl("reference"):
         want = layer(x)
     torch.testing.assert_close(program.module()(x), want, rtol=1e-11, atol=1e-11)
+
+
+def test_onnx_exporter_without_scan_gets_the_batched_graph(monkeypatch):
+    """An ONNX exporter that cannot convert a scan (older torch) gets the batched graph."""
+    layer = _layer()
+    monkeypatch.setattr(torch.onnx, "is_in_onnx_export", lambda: True)
+    monkeypatch.setattr(export_core, "_onnx_exports_scan", lambda: False)
+    program = _export(layer, (torch.randn(2, 11, 48, dtype=torch.float64),))
+    _assert_engine_graph(program)
+    assert not _scans(program)
+
+
+def _scans(program) -> bool:
+    return "scan" in [t.split(".")[-1] for t in _targets(program)]
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float", "causal"])
