@@ -313,10 +313,17 @@ def _attention_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor,
             for i, d in enumerate(grads)]
 
 
+def _wanted(q: Tensor, k: Tensor, v: Tensor, mats: Sequence[Optional[Tensor]],
+            want: Sequence[bool]) -> Tuple[Optional[Tensor], ...]:
+    """The backward's seven inputs that get a gradient: q, k, v and each matrix that is
+    present and wanted (None for the others)."""
+    return (q, k, v) + tuple(m if w else None for m, w in zip(mats, want))
+
+
 @_attention_backward_op.register_fake
 def _(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, impl, scale, want, compose_macs=0):
     fmt = torch.contiguous_format                                   # as the real op's
-    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), want))
+    wanted = _wanted(q, k, v, (mq1, mk1, mq2, mk2), want)
     return [q.new_empty(0) if t is None else torch.empty_like(t, memory_format=fmt) for t in wanted]
 
 
@@ -345,7 +352,7 @@ def _attention_grad(ctx, grad: Optional[Tensor], _grad_stats: Optional[Tensor]):
     q, k, v, mask, mq1, mk1, mq2, mk2, stats = ctx.saved_tensors
     grads = _attention_backward_op(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, ctx.impl,
                                    ctx.scale, ctx.want, ctx.compose_macs)
-    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), ctx.want))
+    wanted = _wanted(q, k, v, (mq1, mk1, mq2, mk2), ctx.want)
     dq, dk, dv, d1, d2, d3, d4 = [None if t is None else g for g, t in zip(grads, wanted)]
     return dq, dk, dv, None, d1, d2, d3, d4, None, None, None
 
@@ -421,7 +428,7 @@ def _cpp_forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> Tuple[Tensor, None
 def _cpp_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, stats, scale, want) -> List[Optional[Tensor]]:
     _cpp_check(q, k, v)
     grads = torch.ops.dcvit_cpu.attention_backward(grad, q, k, v, mask, mq1, mk1, mq2, mk2, scale, want)
-    wanted = (q, k, v) + tuple(m if w else None for m, w in zip((mq1, mk1, mq2, mk2), want))
+    wanted = _wanted(q, k, v, (mq1, mk1, mq2, mk2), want)
     return [None if t is None else g for g, t in zip(grads, wanted)]
 
 

@@ -106,7 +106,7 @@ def test_prune_removes_only_stale_builds_of_other_sources(monkeypatch, tmp_path)
     """Builds of the current variant from other sources go once unused for STALE_DAYS; the
     current build, recent ones (another install used in turn; one without stamps whose
     library was read), one held by a process, other instruction sets and threading
-    variants, other users' and non-builds stay."""
+    variants, other users' and non-builds stay; what a stopped prune renamed away goes."""
     import fcntl
     monkeypatch.setenv("DCVIT_KERNEL_CACHE", str(tmp_path))
     days = compose_cpu.STALE_DAYS
@@ -117,6 +117,7 @@ def test_prune_removes_only_stale_builds_of_other_sources(monkeypatch, tmp_path)
     unstamped = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "d" * 10)
     held = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "e" * 10, days + 1)
     foreign = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "f" * 10, days + 1)
+    leftover = _build(tmp_path, "dcvit_cpu_omp_avx512_" + "9" * 10 + ".removing-123", 0)
     kept = [current, recent, read, unstamped, held, foreign,
             _build(tmp_path, "dcvit_cpu_omp_avx2_" + "b" * 10, days + 1),
             _build(tmp_path, "dcvit_cpu_threads_avx512_" + "b" * 10, days + 1),
@@ -127,7 +128,7 @@ def test_prune_removes_only_stale_builds_of_other_sources(monkeypatch, tmp_path)
     with open(held / compose_cpu.USED) as f:
         fcntl.flock(f, fcntl.LOCK_SH)                   # as a process that loads it holds it
         assert compose_cpu._prune(current.name) == [str(stale)]
-    assert not stale.exists() and all(p.is_dir() for p in kept)
+    assert not stale.exists() and not leftover.exists() and all(p.is_dir() for p in kept)
     assert sorted(os.listdir(tmp_path)) == sorted(p.name for p in kept)
     assert (unstamped / compose_cpu.USED).exists()     # its unused days count from now
     assert compose_cpu._prune(current.name) == [str(held)]   # released, it goes too

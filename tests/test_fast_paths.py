@@ -248,10 +248,10 @@ def test_more_heads_than_the_cpp_kernel_holds():
     (equal to the reference), a forced ``cpp`` and the kernel itself refuse with the reason."""
     H = compose_cpu.MAX_HEADS + 1
     q = torch.zeros(1, H, 3, 2)
-    assert fused.select_impl("auto", q) == ("compile", f"{H} heads, more than the C++ kernels' 64")
+    assert fused.select_impl("auto", q) == ("compile", f"{H} heads, more than the C++ kernels' {H - 1}")
     with pytest.raises(ValueError, match="'cpp' cannot run here: 65 heads"):
         fused.select_impl("cpp", q)
-    with pytest.raises(ValueError, match="up to 64 heads, got 65; use the 'compile' core"):
+    with pytest.raises(ValueError, match=f"up to {H - 1} heads, got {H}; use the 'compile' core"):
         fused.composed_attention(q, q, q, None, ComposeMatrices(None, None, None, None), "cpp")
     layer = _layer(dim=2 * H, heads=H, std=0.05)
     x = torch.randn(1, 3, 2 * H, dtype=torch.float64)

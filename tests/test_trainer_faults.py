@@ -133,7 +133,7 @@ def test_resume_with_more_epochs_follows_the_new_schedule(data, full, tmp_path, 
     out = _killed_after(full, MID, tmp_path / "out")
     assert _run(data, out, "resume=auto", "epochs=3") == 0
     err = capsys.readouterr().err
-    assert (f"was saved on another learning-rate schedule (epochs 2 -> 3): continuing on this "
+    assert (f"was saved with another learning-rate schedule or weight decay (epochs 2 -> 3): continuing on this "
             f"config's schedule from update 20, where the learning rate is {_cosine(20, 36):.3g} "
             f"(it was {_cosine(20, 24):.3g} at the save)") in err
     records = _records(out)
@@ -144,11 +144,21 @@ def test_resume_with_more_epochs_follows_the_new_schedule(data, full, tmp_path, 
     assert (final["epoch"], final["update"]) == (3, 36)
 
 
+def test_resume_with_another_weight_decay_follows_the_config(data, full, tmp_path, capsys):
+    """The optimizer's moments come from the checkpoint, its weight decay from the config
+    (the groups without decay keep none)."""
+    out = _killed_after(full, MID, tmp_path / "out")
+    assert _run(data, out, "resume=auto", "optim.weight_decay=0.123") == 0
+    assert "(optim.weight_decay " in capsys.readouterr().err
+    final = load_checkpoint(list_checkpoints(str(out))[-1])
+    assert {g["weight_decay"] for g in final["optimizer"]["param_groups"]} == {0.0, 0.123}
+
+
 def test_resume_past_the_new_last_epoch_is_refused(data, full, tmp_path, capsys):
     out = _killed_after(full, MID, tmp_path / "out")
     assert _run(data, out, "resume=auto", "epochs=1") == 2
     err = capsys.readouterr().err
-    assert "is at epoch 1, batch 8: this run's epochs=1 end before it; set epochs=2 or more" in err
+    assert "is at epoch 1, batch 8: this run's epochs=1 leave nothing to train; set epochs=2 or more" in err
     assert list_checkpoints(str(out)) == [str(out / MID)] and not (out / "config.yaml").exists()
 
 

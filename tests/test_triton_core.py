@@ -192,6 +192,20 @@ def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
     _assert_matches(*_case(1, 9, 19, 17, 40, seed=17), scale=40 ** -0.5)
 
 
+def test_head_groups_in_every_kernel(monkeypatch):
+    """Every kernel takes a head split (G = 2: each program accumulates and writes half the
+    heads), though only the key kernel's candidates use one: the same output and gradients
+    as without."""
+    inputs, mask, mats = _case(1, 9, 13, 11, 16, seed=18)
+    want = _grads(_kernel, inputs, mask, mats, 0.35)
+    sizes = triton_core.block_sizes
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel": [
+        {**c, "G": 2} for c in sizes(H, kernel)])
+    got = _grads(_kernel, inputs, mask, mats, 0.35)
+    for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):
     """Only requested gradients are computed (the kernels are told which); the others come
     back as None."""

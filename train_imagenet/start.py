@@ -101,13 +101,15 @@ def _position_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
 
 
 def _schedule_changes(saved: Optional[Dict[str, Any]], cfg: Config) -> List[str]:
-    """The settings of the learning-rate schedule (``epochs``, ``optim.lr``, ``sched.*``)
-    that differ from those of the checkpoint's config `saved`, in words."""
+    """The settings of the learning-rate schedule and weight decay (``epochs``, ``optim.lr``,
+    ``optim.lr_batch_size``, the weight decays, ``sched.*``) that differ from those of the
+    checkpoint's config `saved`, in words."""
     if not saved:
         return []
     now = config_to_dict(cfg)
-    pairs = [("epochs", saved.get("epochs"), now["epochs"]),
-             ("optim.lr", saved.get("optim", {}).get("lr"), now["optim"]["lr"])]
+    pairs = [("epochs", saved.get("epochs"), now["epochs"])]
+    pairs += [(f"optim.{k}", saved.get("optim", {}).get(k), now["optim"][k])
+              for k in ("lr", "lr_batch_size", "weight_decay", "decoupled_weight_decay")]
     pairs += [(f"sched.{k}", v, now["sched"][k]) for k, v in saved.get("sched", {}).items()
               if k in now["sched"]]
     return [f"{key} {old!r} -> {new!r}" for key, old, new in pairs
@@ -187,12 +189,18 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
         epoch = state["epoch"] + (1 if changes and state["batch"] else 0)   # where it starts
         needed = epoch + (1 if state["batch"] else 0)   # a mid-epoch start needs that epoch
         if cfg.epochs < needed:
+            where = (f"continues at the start of epoch {epoch}" if epoch != state["epoch"]
+                     else f"is at epoch {epoch}, batch {state['batch']}")
             raise CheckpointError(
-                f"resume={path!r} is at epoch {state['epoch']}, batch {state['batch']}: this "
-                f"run's epochs={cfg.epochs} end before it; set epochs={needed} or more to "
-                f"continue it (or evaluate it with --eval-only checkpoint={path})")
+                f"resume={path!r} {where}: this run's epochs={cfg.epochs} leave nothing to train; "
+                f"set epochs={needed} or more to continue it (or evaluate it with --eval-only "
+                f"checkpoint={path})")
         load_model_weights(model, state["model"], path)
+        decay = [group.get("weight_decay") for group in recipe.optimizer.param_groups]
         recipe.optimizer.load_state_dict(state["optimizer"])
+        for group, wd in zip(recipe.optimizer.param_groups, decay):   # the config's, like the lr
+            if wd is not None:
+                group["weight_decay"] = wd
         if state.get("scaler") and recipe.scaler is not None:
             recipe.scaler.load_state_dict(state["scaler"])
         if changes:   # resume_at_epoch_boundary: this run's schedule, from the next boundary
@@ -207,8 +215,8 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
         schedule = _schedule_changes(state.get("config"), cfg)
         if schedule:
             saved_lr = recipe.optimizer.param_groups[0]["lr"]
-            recipe.scheduler.step_update(state["update"])
-            log_main(info, f"{path} was saved on another learning-rate schedule "
+            recipe.scheduler.step_update(state["update"])   # for the log (the trainer places it too)
+            log_main(info, f"{path} was saved with another learning-rate schedule or weight decay "
                            f"({'; '.join(schedule)}): continuing on this config's schedule from "
                            f"update {state['update']}, where the learning rate is "
                            f"{recipe.optimizer.param_groups[0]['lr']:.3g} "

@@ -217,15 +217,20 @@ def _prune(keep: str) -> List[str]:
     Two installs used in turn on one machine keep both their builds (each load refreshes the
     stamp). Kept too: a build a process holds now (`_in_use`), other variants' builds, and
     whatever is not this user's or not a build. A build without a stamp gets one: its days
-    count from then at the latest. Errors leave a build where it is."""
+    count from then at the latest. Errors leave a build where it is; what a prune renamed
+    away but did not finish removing goes with the next one."""
     import fcntl
     root = cache_dir()
     variant = keep.rsplit("_", 1)[0]
     removed = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
-        if (name == keep or not re.fullmatch(re.escape(variant) + "_[0-9a-f]{10}", name)
-                or os.path.islink(path) or not os.path.isdir(path) or _owner(path) != os.getuid()):
+        build = re.fullmatch(re.escape(variant) + r"_[0-9a-f]{10}(\.removing-[0-9]+)?", name)
+        if (name == keep or not build or os.path.islink(path) or not os.path.isdir(path)
+                or _owner(path) != os.getuid()):
+            continue
+        if build.group(1):                                 # left by a prune that stopped midway
+            shutil.rmtree(path, ignore_errors=True)
             continue
         trash = f"{path}.removing-{os.getpid()}"
         try:

@@ -123,7 +123,8 @@ def _group(a, h0, HO: tl.constexpr):
 @triton.jit
 def _matrix_grad(acc, a, d, MIX: tl.constexpr):
     """``acc[x, g, h] += Σ_y a[x, y, g] · d[x, y, h]``: a Compose matrix's gradient for the
-    tokens on axis 0 (a: the stage's input, d: the gradient of its output)."""
+    tokens on axis 0 (a: the stage's input, d: the gradient of its output; given the other way
+    round, the transposed gradient, as the dM1ᵀ accumulators take it)."""
     return tl.dot(tl.permute(a, (0, 2, 1)), d, acc, input_precision=MIX)
 
 

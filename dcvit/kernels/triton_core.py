@@ -136,7 +136,9 @@ def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, int]]:
     ``kernel`` for H heads. The first is the one the interpreter runs; on a GPU Triton's
     autotuner times the candidates once per (heads, head dim, sequence lengths) and keeps the
     fastest (each one more compilation). Each candidate compiles without a register spill for
-    sm_80 and sm_90 (``scripts/kernel_report.py``, tests/test_kernel_resources.py): one
+    sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads
+    (``scripts/kernel_report.py``, tests/test_kernel_resources.py; float32 operands spill some
+    at 12-16 heads, docs/performance.md): one
     pipeline stage (a second would double the tiles in shared memory), 8 warps, 8 keys per
     key-kernel program; with 16 padded heads 8 queries per query-kernel program, 16 or 8 per
     forward program, and the key kernel's heads split between G = 2 programs per key block
@@ -204,7 +206,7 @@ def _mask_args(mask: Optional[Tensor], dummy: Tensor) -> List:
 
 
 def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) -> Dict:
-    """The kernels' compile-time arguments but the blocks: heads and head dim, padded to
+    """The kernels' compile-time arguments but the blocks and head groups: heads and head dim, padded to
     powers of two, which operands are present, and the precision of the q/k/v products
     (PRECISION) and of Compose's head mixing (MIX)."""
     mq1, mk1, mq2, mk2 = mats
