@@ -46,17 +46,20 @@ def run(*argv, **kwargs) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=ENV, timeout=300, **kwargs)
 
 
-def run_patched(patch: str, *argv) -> subprocess.CompletedProcess:
-    """make_wds_shards.main(argv) in a child whose module has `patch` applied first."""
-    code = textwrap.dedent(f"""
+def _patched_code(patch: str, *argv) -> str:
+    """Python code that runs make_wds_shards.main(argv) with `patch` applied to the module first."""
+    return textwrap.dedent(f"""
         import importlib.util, os, signal, sys, pathlib
         spec = importlib.util.spec_from_file_location("make_wds_shards", {str(SCRIPT)!r})
         mws = importlib.util.module_from_spec(spec)
         sys.modules["make_wds_shards"] = mws
         spec.loader.exec_module(mws)
-    """) + textwrap.dedent(patch) + textwrap.dedent(f"""
-        sys.exit(mws.main({[*map(str, argv), "--no-progress"]!r}))
-    """)
+    """) + textwrap.dedent(patch) + f"\nsys.exit(mws.main({[*map(str, argv), '--no-progress']!r}))\n"
+
+
+def run_patched(patch: str, *argv) -> subprocess.CompletedProcess:
+    """make_wds_shards.main(argv) in a child whose module has `patch` applied first."""
+    code = _patched_code(patch, *argv)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=ENV, timeout=300)
 
@@ -228,13 +231,7 @@ def case_ctrl_c(tmp: Path) -> str:
 
 def _in_own_group(patch: str, *argv) -> subprocess.CompletedProcess:
     """run_patched in a new session, so its killpg(0, SIGINT) reaches only the converter."""
-    code = textwrap.dedent(f"""
-        import importlib.util, os, signal, sys
-        spec = importlib.util.spec_from_file_location("make_wds_shards", {str(SCRIPT)!r})
-        mws = importlib.util.module_from_spec(spec)
-        sys.modules["make_wds_shards"] = mws
-        spec.loader.exec_module(mws)
-    """) + textwrap.dedent(patch) + f"\nsys.exit(mws.main({[*map(str, argv), '--no-progress']!r}))\n"
+    code = _patched_code(patch, *argv)
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
     try:
