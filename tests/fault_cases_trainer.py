@@ -22,12 +22,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-TINY = ["model=vit_tiny_patch16_224",
-        "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
-        "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
-        "data.crop_pct=1.0", "data.interpolation=bilinear", "batch_size=8", "optim.lr=2e-3",
-        "optim.lr_batch_size=null", "sched.warmup_epochs=1", "threads=1", "aug.mixup=0",
-        "aug.cutmix=0", "epochs=2"]
+from train_helpers import TINY_RUN  # noqa: E402  (from this checkout, after sys.path)
+
+TINY = [*TINY_RUN, "aug.mixup=0", "aug.cutmix=0", "epochs=2"]
 
 
 def _env(repo):

@@ -15,14 +15,9 @@ from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.config import load_config
 from train_imagenet.data import DataError, build_data
 
-from train_helpers import digits, nan_loss_at, write_shards
+from train_helpers import TINY_RUN, digits, nan_loss_at, write_shards
 
-TINY = ["model=vit_tiny_patch16_224",
-        "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
-        "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
-        "data.crop_pct=1.0", "data.interpolation=bilinear", "batch_size=8", "optim.lr=2e-3",
-        "optim.lr_batch_size=null", "sched.warmup_epochs=1", "epochs=1", "threads=1",
-        "aug.mixup=0", "aug.cutmix=0"]
+TINY = [*TINY_RUN, "epochs=1", "aug.mixup=0", "aug.cutmix=0"]
 
 
 def _shards(root, n_train=48, n_val=30, per_shard=16, labels=None):

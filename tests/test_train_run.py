@@ -15,14 +15,9 @@ from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.distributed import DistInfo
 
-from train_helpers import nan_loss_at
+from train_helpers import TINY_RUN, nan_loss_at
 
-TINY = ["model=vit_tiny_patch16_224",
-        "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
-        "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
-        "data.crop_pct=1.0", "data.interpolation=bilinear", "batch_size=8", "optim.lr=2e-3",
-        "optim.lr_batch_size=null", "sched.warmup_epochs=1", "sched.min_lr=1e-5", "epochs=2",
-        "threads=1"]
+TINY = [*TINY_RUN, "sched.min_lr=1e-5", "epochs=2"]
 
 
 @pytest.fixture(scope="module")

@@ -26,15 +26,10 @@ from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_ch
 from train_imagenet.data import DataError
 from train_imagenet.distributed import timeout_message, waiting_for
 from train_imagenet.engine import StepOptions, train_one_epoch
-from train_helpers import kill_torchrun, torchrun_workers
+from train_helpers import TINY_RUN, kill_torchrun, torchrun_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["model=vit_tiny_patch16_224",
-        "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
-        "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
-        "data.crop_pct=1.0", "data.interpolation=bilinear", "batch_size=8", "optim.lr=2e-3",
-        "optim.lr_batch_size=null", "sched.warmup_epochs=1", "sched.min_lr=1e-5", "epochs=2",
-        "threads=1", "aug.mixup=0", "aug.cutmix=0"]
+TINY = [*TINY_RUN, "sched.min_lr=1e-5", "epochs=2", "aug.mixup=0", "aug.cutmix=0"]
 MID = "ckpt-e0001-u00000020.pth"     # epoch 1, batch 8 of 12 (96 samples, batch 8)
 
 

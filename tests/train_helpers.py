@@ -1,5 +1,6 @@
 """Small real data for the training tests: scikit-learn's digits as 32x32 RGB images, written
-as WebDataset shards (with webdataset.TarWriter) or as an ImageFolder; faults a test injects
+as WebDataset shards (with webdataset.TarWriter) or as an ImageFolder; the trainer's tiny
+run (TINY_RUN); faults a test injects
 (a NaN loss); torchrun's workers."""
 import dataclasses
 import io
@@ -10,6 +11,15 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
+
+# The trainer's overrides for a one-block ViT on 32x32 digits, one process and thread, no
+# loader workers: what the training tests share (each adds its epochs, schedule and augment).
+TINY_RUN = ["model=vit_tiny_patch16_224",
+            "model_kwargs={img_size: 32, patch_size: 8, depth: 1, embed_dim: 24, num_heads: 2}",
+            "data.num_classes=10", "data.img_size=32", "data.num_workers=0", "data.shuffle_buffer=16",
+            "data.crop_pct=1.0", "data.interpolation=bilinear", "batch_size=8", "optim.lr=2e-3",
+            "optim.lr_batch_size=null", "sched.warmup_epochs=1", "threads=1"]
+
 
 def digits(n: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """(images uint8 (N, 32, 32, 3), labels (N,)) from sklearn's bundled 8x8 digits."""
