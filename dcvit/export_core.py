@@ -9,7 +9,9 @@ the (B, H, N, N) maps.
 * The dynamic weights come from two GEMMs (the slots' second projection as one
   block-diagonal matrix), and every slot's Compose matrix (`dcvit.matrices`) from a few
   small ops on (B, N, G, H, H): ``Mq`` = identity + static + query-wise low-rank + gate,
-  ``Mk`` = key-wise low-rank + gate.
+  ``Mk`` = key-wise low-rank + gate. The identity joins the gate's diagonal, and each slot
+  leaves as its own (B, N, H, H) tensor, so that a per-sample step below takes its slots
+  without splitting them again.
 * The maps are kept query-major, (B, T, H, S), so that the softmax runs on the last axis.
 * A Compose stage is two batched ``MatMul``: the query side ``Mq[b,t]^T @ a[b,t]`` (one
   H×H matrix per query, on (H, S) blocks) and the key side ``a[b,:,:,s] @ Mk[b,s]`` (per
@@ -42,16 +44,21 @@ from .matrices import RMS_EPS
 __all__ = ["export_core"]
 
 
-def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
-    """Every dynamic slot's Compose matrix (B, N, G, H, H), or None without dynamic slots:
-    ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity and the stage's static
-    matrix on the query slots."""
+def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[List[Tensor]]:
+    """Every dynamic slot's Compose matrix, one (B, N, H, H) tensor per slot, or None without
+    dynamic slots: ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity (on the
+    diagonal with the gate) and the stage's static matrix on the query slots."""
     dw = layer.dynamic_weights
     if dw is None:
         return None
     B, N, C = x.shape
     G, K, H, R = dw.num_slots, dw.hidden_dim, dw.num_heads, dw.rank
     eye = torch.eye(H, dtype=x.dtype, device=x.device)
+    statics = {slot: stage.static for stage, slot in ((layer.pre_compose, layer.slots.pre_q),
+                                                      (layer.post_compose, layer.slots.post_q))
+               if stage is not None and slot is not None}                # the query slots' static (or None)
+    diag = torch.tensor([float(g in statics) for g in range(G)], dtype=x.dtype,
+                        device=x.device).reshape(G, 1, 1)                      # their identity
     gate_in: Optional[Tensor] = None
     m: Optional[Tensor] = None
     if dw.dw1 is not None and dw.qkw is not None:
@@ -69,25 +76,22 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
     if dw.dd_w is not None:
         if gate_in is None:
             gate_in = x @ dw.dd_w
-        dd = dw.drop(torch.tanh(gate_in)).reshape(B, N, G, H, 1) * eye         # (B, N, G, H, H)
-        m = dd if m is None else m + dd
-    assert m is not None
-    fixed = [torch.zeros_like(eye)] * G                          # identity and static, per slot
-    for stage, slot in ((layer.pre_compose, layer.slots.pre_q), (layer.post_compose, layer.slots.post_q)):
-        if stage is not None and slot is not None:
-            fixed[slot] = eye if stage.static is None else eye + stage.static.to(x.dtype)
-    return m + torch.stack(fixed)                                # (parameters only: folded by engines)
+        diag = dw.drop(torch.tanh(gate_in)).reshape(B, N, G, H, 1) + diag
+    m = diag * eye if m is None else m + diag * eye                            # (B, N, G, H, H)
+    if any(t is not None for t in statics.values()):
+        m = m + torch.stack([eye * 0 if statics.get(g) is None else statics[g].to(x.dtype) for g in range(G)])
+    return list(m.unbind(-3))
 
 
-def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_slot: Optional[int],
+def _compose(a: Tensor, mats: Optional[List[Tensor]], stage: Optional[nn.Module], q_slot: Optional[int],
              k_slot: Optional[int]) -> Tensor:
-    """One Compose stage on the query-major map a (..., T, H, S) with the slot matrices
-    (..., N, G, H, H) (leading axes: the batch, or none for one sample)."""
+    """One Compose stage on the query-major map a (..., T, H, S) with the slot matrices, one
+    (..., N, H, H) per slot (leading axes: the batch, or none for one sample)."""
     if stage is None:
         return a
     *lead, T, H, S = a.shape
     if mats is not None and q_slot is not None:
-        out = mats[..., q_slot, :, :].transpose(-1, -2) @ a                     # (..., T, H, S)
+        out = mats[q_slot].transpose(-1, -2) @ a                                # (..., T, H, S)
     elif stage.static is not None:
         eye = torch.eye(H, dtype=a.dtype, device=a.device)
         out = (eye + stage.static.to(a.dtype)).transpose(0, 1) @ a
@@ -95,15 +99,15 @@ def _compose(a: Tensor, mats: Optional[Tensor], stage: Optional[nn.Module], q_sl
         out = a
     if mats is not None and k_slot is not None:                  # key-major (..., S, T, H) and back
         per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H)
-        per_key = per_key @ mats[..., k_slot, :, :]
+        per_key = per_key @ mats[k_slot]
         out = out + per_key.reshape(*lead, S, T * H).transpose(-1, -2).reshape(*lead, T, H, S)
     return out
 
 
-def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[Tensor],
+def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[List[Tensor]],
                mask: Optional[Tensor]) -> Tensor:
     """Scores, both Compose stages, softmax and p v on query-major maps: q, k, v (..., H, N, D),
-    the slot matrices (..., N, G, H, H) and an additive mask broadcastable to (B, H, N, N)."""
+    the slot matrices (..., N, H, H) and an additive mask broadcastable to (B, H, N, N)."""
     slots = layer.slots
     a = ((q * layer.scale) @ k.transpose(-2, -1)).transpose(-3, -2)           # (..., T, H, S)
     a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
@@ -144,8 +148,7 @@ def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
 
     def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
         # scan needs a carry (an unused scalar), returned as a new tensor: no output may alias an input
-        mats_one = xs[3] if len(xs) > 3 else None
-        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], mats_one, None)
+        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], xs[3:] or None, None)
 
-    _, out = scan(sample, q.new_zeros(()), [q, k, v] + ([mats] if mats is not None else []))
+    _, out = scan(sample, q.new_zeros(()), [q, k, v] + (mats or []))
     return out

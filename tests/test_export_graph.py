@@ -162,7 +162,27 @@ def test_dcvit_bench_onnx_exports_both_formulations_and_times_them(tmp_path):
     for b in ("b1", "b3"):
         fig = result["figures"][b]
         assert fig["ratio"] == pytest.approx(fig["vit_ms"] / fig["dcvit_ms"])
+        assert fig["ratio_best"] == pytest.approx(fig["vit_best_ms"] / fig["dcvit_best_ms"])
         assert fig["ratio_reference"] > 0
+
+
+def test_exported_models_are_timed_in_turn_each_after_the_settle_pause(monkeypatch):
+    """Timed runs alternate (order reversed every other round), each after `SETTLE_S`, so that
+    one session's spinning threads do not run into the other's timing; a figure carries the
+    median and best-run ratios."""
+    import time
+    from dcvit import export_bench
+    monkeypatch.setattr(export_bench, "SETTLE_S", 0.02)
+    calls = []
+    runs = {name: (lambda name=name: calls.append((name, time.perf_counter()))) for name in ("vit", "dcvit")}
+    timed = export_bench._time_alternately(runs, warmup=1, steps=4)
+    calls = calls[2:]                                                 # after the warm-up
+    assert [n for n, _ in calls] == ["vit", "dcvit", "dcvit", "vit"] * 2
+    assert min(b - a for (_, a), (_, b) in zip(calls, calls[1:])) >= 0.02
+    fig = export_bench._figure(timed)
+    assert fig["ratio"] == pytest.approx(fig["vit_ms"] / fig["dcvit_ms"])
+    assert fig["ratio_best"] == pytest.approx(fig["vit_best_ms"] / fig["dcvit_best_ms"])
+    assert fig["dcvit_best_ms"] <= fig["dcvit_ms"] and fig["vit_best_ms"] <= fig["vit_ms"]
 
 
 def test_dcvit_bench_rejects_bad_onnx_batches():
