@@ -71,7 +71,9 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[List[Tensor]]:
         qkw = torch.block_diag(*dw.qkw.reshape(G, K, 2 * R * H).unbind(0))     # (G*K, G*2R*H)
         w = (hidden @ qkw).reshape(B, N, G, 2 * R, H)
         w1, w2 = w[..., :R, :], w[..., R:, :]
-        w1 = w1 * torch.rsqrt(w1.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS)
+        # the RMS norm as ONNX Runtime's fusion into one SimplifiedLayerNormalization expects it:
+        # a division by the root, then a scale (here a unit one)
+        w1 = w1 / torch.sqrt(w1.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS) * torch.ones_like(eye[0])
         m = w1.transpose(-1, -2) @ w2                                          # (B, N, G, H, H)
     if dw.dd_w is not None:
         if gate_in is None:
