@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from timm.layers.attention import resolve_self_attn_mask
 from torch import Tensor, nn
 
-from .matrices import RMS_EPS
+from .matrices import RMS_EPS, identity_diagonal
 
 __all__ = ["export_core"]
 
@@ -54,11 +54,10 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[List[Tensor]]:
     B, N, C = x.shape
     G, K, H, R = dw.num_slots, dw.hidden_dim, dw.num_heads, dw.rank
     eye = torch.eye(H, dtype=x.dtype, device=x.device)
+    diag = identity_diagonal(layer.slots.query_slots, G, x.dtype, x.device).unsqueeze(-1)   # (G, 1, 1)
     statics = {slot: stage.static for stage, slot in ((layer.pre_compose, layer.slots.pre_q),
                                                       (layer.post_compose, layer.slots.post_q))
-               if stage is not None and slot is not None}                # the query slots' static (or None)
-    diag = torch.tensor([float(g in statics) for g in range(G)], dtype=x.dtype,
-                        device=x.device).reshape(G, 1, 1)                      # their identity
+               if stage is not None and slot is not None and stage.static is not None}
     gate_in: Optional[Tensor] = None
     m: Optional[Tensor] = None
     if dw.dw1 is not None and dw.qkw is not None:
@@ -80,8 +79,8 @@ def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[List[Tensor]]:
             gate_in = x @ dw.dd_w
         diag = dw.drop(torch.tanh(gate_in)).reshape(B, N, G, H, 1) + diag
     m = diag * eye if m is None else m + diag * eye                            # (B, N, G, H, H)
-    if any(t is not None for t in statics.values()):
-        m = m + torch.stack([eye * 0 if statics.get(g) is None else statics[g].to(x.dtype) for g in range(G)])
+    if statics:                                                  # the query slots' static matrices
+        m = m + torch.stack([statics[g].to(x.dtype) if g in statics else eye * 0 for g in range(G)])
     return list(m.unbind(-3))
 
 

@@ -88,6 +88,14 @@ def _outer_sum(w1: Tensor, w2: Tensor) -> Tensor:
     return (w1.unsqueeze(-1) * w2.unsqueeze(-2)).sum(dim=-3)
 
 
+def identity_diagonal(identity_slots: List[int], num_slots: int, dtype: torch.dtype,
+                      device: torch.device) -> Tensor:
+    """(G, 1): 1 on the rows of ``identity_slots``, 0 elsewhere: the identity's share of the
+    slots' diagonals, broadcast over heads."""
+    return torch.tensor([[1.0 if g in identity_slots else 0.0] for g in range(num_slots)],
+                        dtype=dtype, device=device)
+
+
 def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
                   identity_slots: List[int], dtype: torch.dtype) -> Optional[Tensor]:
     """Every slot's dynamic matrix at once, in a few large ops (each op counts on a busy CPU).
@@ -100,8 +108,7 @@ def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tenso
     if identity_slots:
         G = (w1 if w1 is not None else dd).shape[2] if (w1 is not None or dd is not None) else 0
         if G:
-            eye = torch.tensor([[1.0 if g in identity_slots else 0.0] for g in range(G)],
-                               dtype=dtype, device=(w1 if w1 is not None else dd).device)  # (G, 1)
+            eye = identity_diagonal(identity_slots, G, dtype, (w1 if w1 is not None else dd).device)
             diag = eye if diag is None else diag + eye
     if w1 is not None and w2 is not None:
         m = _outer_sum(w1.to(dtype), w2.to(dtype))                           # (B, N, G, H, H)
