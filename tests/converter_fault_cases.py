@@ -47,18 +47,16 @@ def run(*argv, **kwargs) -> subprocess.CompletedProcess:
 
 
 def _patched_code(patch: str, *argv) -> str:
-    """Python code that runs make_wds_shards.main(argv) with `patch` applied to the module first."""
+    """Python code that runs the converter's main(argv) with `patch` applied to its writer module
+    (``mws``, `train_imagenet.shards.write`) first."""
     return textwrap.dedent(f"""
-        import importlib.util, os, signal, sys, pathlib
-        spec = importlib.util.spec_from_file_location("make_wds_shards", {str(SCRIPT)!r})
-        mws = importlib.util.module_from_spec(spec)
-        sys.modules["make_wds_shards"] = mws
-        spec.loader.exec_module(mws)
-    """) + textwrap.dedent(patch) + f"\nsys.exit(mws.main({[*map(str, argv), '--no-progress']!r}))\n"
+        import os, signal, sys, pathlib
+        from train_imagenet.shards import cli, write as mws
+    """) + textwrap.dedent(patch) + f"\nsys.exit(cli.main({[*map(str, argv), '--no-progress']!r}))\n"
 
 
 def run_patched(patch: str, *argv) -> subprocess.CompletedProcess:
-    """make_wds_shards.main(argv) in a child whose module has `patch` applied first."""
+    """The converter's main(argv) in a child whose writer module has `patch` applied first."""
     code = _patched_code(patch, *argv)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=ENV, timeout=300)
@@ -134,11 +132,9 @@ def case_two_conversions(tmp: Path) -> str:
             "def slow(*a):\n    import time; time.sleep(0.25); return real(*a)\n" \
             "mws.encode_image = slow\n"
     code = lambda src: [sys.executable, "-c", textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("make_wds_shards", {str(SCRIPT)!r})
-        mws = importlib.util.module_from_spec(spec); sys.modules["make_wds_shards"] = mws
-        spec.loader.exec_module(mws)
-    """) + delay + f"sys.exit(mws.main(['--src', {str(src)!r}, '--out', {str(out)!r}, "
+        import sys
+        from train_imagenet.shards import cli, write as mws
+    """) + delay + f"sys.exit(cli.main(['--src', {str(src)!r}, '--out', {str(out)!r}, "
                   f"'--split', 'train', *{overwrite_flag()!r}, '--workers', '1', '--no-progress']))"]
     for extra in sorted((d / "val" / "0").iterdir())[10:]:   # the second source is smaller
         extra.unlink()

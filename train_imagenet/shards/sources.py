@@ -1,0 +1,252 @@
+"""What ``--src`` is, found from what is on disk, and its samples for one split.
+
+==========================  =====================================================  ===========
+kind                        what ``--src`` names                                   labels
+==========================  =====================================================  ===========
+``folders``                 ``SRC/<class>/**/<image>`` (torchvision ImageFolder)   the folder
+``flat``                    ``SRC/<image>`` with ``--labels`` (or ``--devkit``)    the file
+``imagenet-train-tar``      ``ILSVRC2012_img_train.tar``: a tar of per-class tars  the inner tar
+``imagenet-tar``            ``ILSVRC2012_img_val.tar``: a tar of images            ``--labels``/``--devkit``
+``timm-wds``                timm's WebDataset release: ``_info.json``/``.yaml``,   ``.cls``
+                            ``imagenet1k-{train,validation}-NNNN.tar``
+``parquet``                 the Hugging Face Parquet release: ``data/*.parquet``   ``label``
+``torchvision``             torchvision's prepared ``ImageNet`` root (``meta.bin``,  the folder
+                            ``train/``, ``val/``)
+``kaggle``                  Kaggle's ILSVRC root: ``LOC_synset_mapping.txt``,      folder / CSV
+                            ``LOC_val_solution.csv``, ``ILSVRC/Data/CLS-LOC/``
+==========================  =====================================================  ===========
+
+A root that holds several splits (timm, Parquet, torchvision, Kaggle) gives the one that
+``--split`` names (``val`` reads timm's and Hugging Face's ``validation``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import yaml
+
+from . import archives, parquet
+from .folders import _check_source, scan_class_folders, scan_flat
+from .labels import read_class_names, read_label_names, read_labels
+from .plan import ConversionError
+
+KINDS = ("folders", "flat", "imagenet-train-tar", "imagenet-tar", "timm-wds", "parquet", "torchvision", "kaggle")
+KAGGLE_MAPPING = "LOC_synset_mapping.txt"
+KAGGLE_VAL_LABELS = "LOC_val_solution.csv"
+KAGGLE_IMAGES = Path("ILSVRC") / "Data" / "CLS-LOC"
+_TIMM_SHARD = re.compile(r".+-(train|validation|val|test)-\d+\.tar")
+
+
+@dataclass
+class Listing:
+    kind: str
+    classes: list[str]
+    members: list[tuple]   # (relative path, label, file, size, at): see plan.Sample
+    source: str            # recorded as the split's "source"
+
+
+@dataclass
+class Options:
+    classes: str | None = None
+    labels: str | None = None
+    label_offset: int = 0
+    label_names: str | None = None
+    devkit: str | None = None
+
+
+def source_kind(src: Path, labels: bool) -> str:
+    """The kind of ``src`` (see the module docstring); ``labels``: a labels file was given."""
+    if not src.exists():
+        raise ConversionError(f"--src {src} does not exist; pass an image folder, an ILSVRC2012_img_*.tar "
+                              "or a dataset root (docs/data.md lists the sources)")
+    if src.is_file():
+        if src.suffix == ".tar":
+            return "imagenet-train-tar" if archives.tar_kind(src) == "class-tars" else "imagenet-tar"
+        if src.suffix == ".parquet":
+            return "parquet"
+        raise ConversionError(f"--src {src} is a file but no .tar or .parquet; pass the folder that "
+                              "holds the images, or an uncompressed ILSVRC2012_img_*.tar")
+    names = set(os.listdir(src))
+    if {"_info.json", "_info.yaml"} & names or any(_TIMM_SHARD.fullmatch(n) for n in names):
+        return "timm-wds"
+    if parquet.parquet_files(src):
+        return "parquet"
+    if "meta.bin" in names and {"train", "val"} & names:
+        return "torchvision"
+    if KAGGLE_MAPPING in names or (src / KAGGLE_IMAGES).is_dir():
+        return "kaggle"
+    return "flat" if labels else "folders"
+
+
+def _classes(opts: Options) -> list[str] | None:
+    return read_class_names(Path(opts.classes)) if opts.classes else None
+
+
+def _folder_members(root: Path, items) -> list[tuple]:
+    return [(path.relative_to(root).as_posix(), label, real, os.stat(real).st_size, ())
+            for path, real, label in items]
+
+
+def _labelled(images: list[tuple], opts: Options, classes: list[str] | None, where: Path,
+              stack: ExitStack) -> tuple[list[str], list[int]]:
+    """(classes, labels) of flat images from ``--labels`` or ``--devkit``."""
+    if opts.devkit and opts.labels:
+        raise ConversionError("pass --devkit or --labels, not both (--devkit reads its "
+                              "ILSVRC2012_validation_ground_truth.txt and meta.mat)")
+    if opts.devkit:
+        truth, meta = stack.enter_context(archives.devkit_labels(Path(opts.devkit)))
+        names = read_label_names(meta)
+        classes = classes or sorted(names)  # train's order: the sorted WNIDs
+        return classes, read_labels(truth, [PurePosixPath(m[0]) for m in images], classes, 1, names)
+    if not opts.labels:
+        raise ConversionError(f"{where} holds images without classes: pass --labels FILE (or --devkit "
+                              "ILSVRC2012_devkit_t12.tar.gz) and --classes, e.g. the train split's classes.json")
+    if classes is None:
+        raise ConversionError("the flat layout (--labels) needs --classes: pass the classes.json "
+                              "written for the train split so both splits share class indices")
+    names = read_label_names(Path(opts.label_names)) if opts.label_names else None
+    return classes, read_labels(Path(opts.labels), [PurePosixPath(m[0]) for m in images], classes,
+                                opts.label_offset, names)
+
+
+def _index_labels(members: list[tuple], classes: list[str] | None, src: Path, hint: str) -> list[str]:
+    """Checks integer labels against ``classes`` (which a source of class indices needs)."""
+    if classes is None:
+        raise ConversionError(f"{src} holds class indices but no class names; pass --classes FILE ({hint})")
+    top = max(m[1] for m in members)
+    if top >= len(classes) or min(m[1] for m in members) < 0:
+        raise ConversionError(f"{src} has label {top}, out of range for the {len(classes)} names of --classes "
+                              f"{'' if not hint else '(' + hint + ')'}")
+    return classes
+
+
+def _timm_info(root: Path) -> dict:
+    for name in ("_info.json", "_info.yaml"):
+        path = root / name
+        if path.is_file():
+            try:
+                text = path.read_text(encoding="utf-8")
+                return json.loads(text) if name.endswith(".json") else yaml.safe_load(text) or {}
+            except (OSError, ValueError, yaml.YAMLError) as e:
+                raise ConversionError(f"cannot read {path} ({e}); fix or remove it (the shard names "
+                                      "then give the splits)") from None
+    return {}
+
+
+def timm_shards(root: Path, split: str) -> tuple[list[Path], int | None]:
+    """(shards, listed sample count) of ``split`` in timm's layout; ``_info`` first, else the names."""
+    info = _timm_info(root)
+    wanted = [split] + (["validation"] if split == "val" else [])
+    splits = info.get("splits") if isinstance(info, dict) else None
+    if isinstance(splits, list):
+        splits = {s.get("name"): s for s in splits if isinstance(s, dict)}
+    if splits:
+        chosen = next((s for s in wanted if s in splits), None)
+        if chosen is None:
+            raise ConversionError(f"{root}: _info lists the splits {sorted(splits)}, not {split}; "
+                                  f"pass --split with one of them")
+        shards = [root / f for f in splits[chosen]["filenames"]]
+        missing = [str(s) for s in shards if not s.is_file()]
+        if missing:
+            raise ConversionError(f"{root}: {len(missing)} shard(s) that _info lists for {chosen} are missing, "
+                                  f"e.g. {missing[0]}; download them or fix _info")
+        return shards, splits[chosen].get("num_samples")
+    found = {}
+    for n in sorted(os.listdir(root)):
+        m = _TIMM_SHARD.fullmatch(n)
+        if m:
+            found.setdefault(m.group(1), []).append(root / n)
+    chosen = next((s for s in wanted if s in found), None)
+    if chosen is None:
+        raise ConversionError(f"{root} has no *-{wanted[-1]}-NNNN.tar shards (it has {sorted(found)}); "
+                              "pass --split with one of them")
+    return found[chosen], None
+
+
+def list_source(src: Path, split: str, opts: Options, stack: ExitStack) -> Listing:
+    """The samples of ``split`` of ``src``, with the class names that index their labels."""
+    kind = source_kind(src, bool(opts.labels or opts.devkit))
+    classes = _classes(opts)
+    source = str(src.resolve())
+    if kind == "torchvision":
+        folder = src / ("train" if split == "train" else "val")
+        if not folder.is_dir():
+            raise ConversionError(f"torchvision's ImageNet root {src} has no {folder.name}/ folder for --split {split}")
+        if classes is None and split != "train" and (src / "train").is_dir():
+            classes = sorted(p.name for p in (src / "train").iterdir() if p.is_dir() and not p.name.startswith("."))
+        classes, items = scan_class_folders(folder, classes)
+        return Listing(kind, classes, _folder_members(folder, items), str(folder.resolve()))
+    if kind == "kaggle":
+        mapping = src / KAGGLE_MAPPING
+        classes = classes or (read_class_names(mapping) if mapping.is_file() else None)
+        if split == "train":
+            folder = src / KAGGLE_IMAGES / "train"
+            _check_source(folder)
+            classes, items = scan_class_folders(folder, classes)
+        elif split == "val":
+            folder = src / KAGGLE_IMAGES / "val"
+            _check_source(folder)
+            if classes is None:
+                raise ConversionError(f"{src} has no {KAGGLE_MAPPING}; pass --classes FILE")
+            labels = Path(opts.labels) if opts.labels else src / KAGGLE_VAL_LABELS
+            items = scan_flat(folder, labels, classes, opts.label_offset)
+        else:
+            raise ConversionError(f"Kaggle's ILSVRC holds labels for train and val only, not --split {split}")
+        return Listing(kind, classes, _folder_members(folder, items), str(folder.resolve()))
+    if kind == "folders":
+        _check_source(src)
+        classes, items = scan_class_folders(src, classes)
+        return Listing(kind, classes, _folder_members(src, items), source)
+    if kind == "flat":
+        _check_source(src)
+        if opts.devkit and opts.labels:
+            raise ConversionError("pass --devkit or --labels, not both (--devkit reads its "
+                                  "ILSVRC2012_validation_ground_truth.txt and meta.mat)")
+        if classes is None and not opts.devkit:
+            raise ConversionError("the flat layout (--labels) needs --classes: pass the classes.json "
+                                  "written for the train split so both splits share class indices")
+        if opts.devkit:
+            truth, meta = stack.enter_context(archives.devkit_labels(Path(opts.devkit)))
+            names = read_label_names(meta)
+            classes = classes or sorted(names)
+            items = scan_flat(src, truth, classes, 1, names)
+        else:
+            names = read_label_names(Path(opts.label_names)) if opts.label_names else None
+            items = scan_flat(src, Path(opts.labels), classes, opts.label_offset, names)
+        return Listing(kind, classes, _folder_members(src, items), source)
+    if kind == "imagenet-train-tar":
+        names, members = archives.class_tar_members(src)
+        if classes is None:
+            classes = names
+        else:
+            unknown = [n for n in names if n not in set(classes)]
+            if unknown:
+                raise ConversionError(f"class tar(s) {unknown[:5]} of {src} are not in --classes "
+                                      f"({len(classes)} names); use the classes of the same dataset")
+        index = {n: i for i, n in enumerate(classes)}
+        return Listing(kind, classes, [(r, index[c], p, s, a) for r, c, p, s, a in members], source)
+    if kind == "imagenet-tar":
+        members = archives.image_members(src)
+        if not members:
+            raise ConversionError(f"{src} holds no images")
+        classes, labels = _labelled(members, opts, classes, src, stack)
+        return Listing(kind, classes, [(r, y, p, s, a) for (r, _, p, s, a), y in zip(members, labels)], source)
+    if kind == "timm-wds":
+        shards, listed = timm_shards(src, split)
+        members = archives.wds_members(shards)
+        if listed is not None and listed != len(members):
+            raise ConversionError(f"{src}: _info says {split} holds {listed} samples, its shards hold "
+                                  f"{len(members)}; the download is incomplete or _info belongs elsewhere")
+        classes = _index_labels(members, classes, src, "for ImageNet-1k: LOC_synset_mapping.txt or the "
+                                                      "classes.json of a converted split")
+        return Listing(kind, classes, members, source)
+    files = [src] if src.is_file() else parquet.split_files(src, split)
+    members = parquet.parquet_members(files)
+    card = parquet.card_class_names(src if src.is_dir() else src.parent.parent)
+    classes = _index_labels(members, classes or card, src, "the dataset card README.md names none")
+    return Listing(kind, classes, members, source)
