@@ -157,7 +157,7 @@ def case_verify_after_start_check(tmp: Path) -> str:
     assert run("--src", d / "train", "--out", out).returncode == 0
     check = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import glob
-        from train_imagenet.shard_check import check_shards
+        from train_imagenet.data.verify import check_shards
         print(check_shards(sorted(glob.glob({str(out)!r} + '/train-*.tar')), 'data.train', 3))
     """)], capture_output=True, text=True, env=ENV, timeout=300)
     assert check.returncode == 0, check.stderr
@@ -182,8 +182,8 @@ def case_duplicate_keys(tmp: Path) -> str:
             import io
             tar.addfile(m, io.BytesIO(data))
     code = textwrap.dedent(f"""
-        from train_imagenet.shard_check import check_shards
-        from train_imagenet.data import _samples, DataError
+        from train_imagenet.data.verify import check_shards
+        from train_imagenet.data.shards import _samples, DataError
         print('start-up check:', check_shards([{str(shard)!r}], 'data.train', 3).problem)
         try:
             n = sum(1 for _ in _samples([{str(shard)!r}]))

@@ -19,7 +19,7 @@ import pytest
 
 from dcvit.schema import split_names
 from train_helpers import digits, png_bytes
-from train_imagenet import shard_check
+from train_imagenet.data import verify as shard_check
 from train_imagenet.data import DataError, count_samples, resolve_source
 
 from test_make_wds_shards import SCRIPT, _digests, _run

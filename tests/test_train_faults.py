@@ -9,7 +9,7 @@ import torch
 
 import train_imagenet.results as results_mod
 import train_imagenet.trainer as trainer_mod
-from train_imagenet import shard_check
+from train_imagenet.data import verify as shard_check
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.config import load_config

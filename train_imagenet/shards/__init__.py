@@ -2,8 +2,8 @@
 shards, and shards verified (docs/data.md).
 
 Modules, in the order a conversion runs: `sources` finds what ``--src`` is and lists one
-split's samples (`folders`, `archives`, `parquet`; class lists and labels files in
-`labels`); `plan` gives them keys and cuts them into shards; `write` writes the shards and
+split's samples (`folders`, `archives`, `parquet`; class lists and labels files are
+`train_imagenet.data.labels`, which the trainer reads too); `plan` gives them keys and cuts them into shards; `write` writes the shards and
 moves them in atomically; `verify` checks shards and splits; `cli` is the command line.
 
 Each ``<split>-NNNNNN.tar`` holds samples ``<key>.jpg|png`` (the source's image bytes) and

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dcvit.schema import IMAGE_EXTENSIONS
 
-from .labels import read_labels
+from train_imagenet.data.labels import read_labels
 from .plan import ConversionError
 from .write import warn as _warn
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import yaml
 
-from .labels import missing_extra
 from .plan import ConversionError
 
 # our split name -> the file prefix of the release
@@ -25,7 +24,8 @@ def _pq():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise missing_extra("reading Parquet files", "pyarrow", "parquet") from None
+        raise ConversionError("reading Parquet files needs pyarrow, which is not installed: "
+                              "pip install 'dcvit[parquet]'") from None
     return pq
 
 

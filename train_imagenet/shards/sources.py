@@ -32,7 +32,7 @@ import yaml
 
 from . import archives, parquet
 from .folders import _check_source, scan_class_folders, scan_flat
-from .labels import read_class_names, read_label_names, read_labels
+from train_imagenet.data.labels import read_class_names, read_label_names, read_labels
 from .plan import ConversionError
 
 KINDS = ("folders", "flat", "imagenet-train-tar", "imagenet-tar", "timm-wds", "parquet", "torchvision", "kaggle")

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Sequence
 
 from dcvit.schema import CLASSES_FILE, split_names
-from train_imagenet.shard_check import scan_shard
+from train_imagenet.data.verify import scan_shard
 
-from .labels import read_class_names
+from train_imagenet.data.labels import LabelsError, read_class_names
 from .plan import ConversionError
 from .write import run_tasks
 
@@ -47,7 +47,7 @@ def verify(out: Path, splits: Sequence[str] | None, workers: int, progress: bool
     if (out / CLASSES_FILE).exists():
         try:
             classes = read_class_names(out / CLASSES_FILE)
-        except ConversionError as e:
+        except (ConversionError, LabelsError) as e:
             problems.append(str(e))
     from tqdm import tqdm
     for split in splits:

@@ -1,56 +1,54 @@
-"""The files that name classes and label images: class lists, devkit ``meta.mat``, labels files.
-
-* class names in index order (``--classes``): a JSON list (``classes.json``), a text file
-  with one name a line, or Kaggle's ``LOC_synset_mapping.txt`` (``n01440764 tench, Tinca
-  tinca``: the WNID is the name, the words after it are ignored);
-* what integer labels refer to (``--label-names``): the same, or the ILSVRC2012 devkit's
-  ``meta.mat`` (read with scipy, the ``devkit`` extra);
-* the labels of a flat image folder or tar (``--labels``): see `read_labels`.
+"""The labels-file formats: class names (``classes.json``, one name a line), the names a
+labels file's integers refer to (a devkit ``meta.mat``, or a names file), and the labels
+of a flat image folder (``filename label`` rows, CSV with a header, ``LOC_val_solution.csv``,
+one label a line in sorted filename order). Shared by the converter and the trainer.
 """
 from __future__ import annotations
 
 import json
 import re
 from collections import Counter
-from pathlib import Path, PurePath
-from typing import Sequence
+from pathlib import Path
 
 from dcvit.cli import did_you_mean
 
-from .plan import ConversionError
+from .source import DataError
 
-WNID = re.compile(r"n\d{8}")
+__all__ = ["LabelsError", "read_class_names", "read_label_names", "read_labels", "parse_label"]
 
 
-def missing_extra(what: str, module: str, extra: str) -> ConversionError:
-    """The one-line error for an optional package that is not installed."""
-    return ConversionError(f"{what} needs {module}, which is not installed: "
-                           f"pip install 'dcvit[{extra}]' (or pip install {module})")
+class LabelsError(DataError):
+    """A labels or class-names file that cannot be used; the message names the file, the
+    line and the fix."""
+
+
+WNID = re.compile(r"n[0-9]{8}")
 
 
 def read_class_names(path: Path) -> list[str]:
     """Class names in index order from a JSON list (``classes.json``), a text file with one
-    name a line, or ``LOC_synset_mapping.txt`` (every line a WNID and its words)."""
+    name a line, or Kaggle's ``LOC_synset_mapping.txt`` (``n01440764 tench, Tinca tinca``:
+    every line a WNID and its words; the WNID is the name)."""
     try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConversionError(f"cannot read class names file {path}: {getattr(e, 'strerror', None) or e}") from None
+        text = path.read_text()
+    except OSError as e:
+        raise LabelsError(f"cannot read class names file {path}: {e.strerror}") from None
     if path.suffix == ".json":
         try:
             names = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConversionError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); "
+            raise LabelsError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); "
                                   "expected a list of class names") from None
     else:
         names = [line.strip() for line in text.splitlines() if line.strip()]
-        firsts = [name.split(None, 1)[0] for name in names]
-        if names and all(WNID.fullmatch(w) for w in firsts):  # LOC_synset_mapping.txt
-            names = firsts
+        wnids = [name.split(None, 1)[0] for name in names]
+        if names and all(WNID.fullmatch(w) for w in wnids):  # LOC_synset_mapping.txt
+            names = wnids
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
-        raise ConversionError(f"{path}: expected a non-empty list of class names")
+        raise LabelsError(f"{path}: expected a non-empty list of class names")
     dupes = [n for n, c in Counter(names).items() if c > 1]
     if dupes:
-        raise ConversionError(f"{path}: class names repeat: {dupes[:5]}")
+        raise LabelsError(f"{path}: class names repeat: {dupes[:5]}")
     return names
 
 
@@ -66,23 +64,24 @@ def read_label_names(path: Path) -> list[str]:
     try:
         from scipy.io import loadmat
     except ImportError:
-        raise missing_extra(f"reading the ILSVRC devkit's {path.name}", "scipy", "devkit") from None
+        raise LabelsError(f"reading the ILSVRC devkit's {path.name} needs scipy, which is not installed: "
+                          "pip install 'dcvit[devkit]'") from None
     try:
         synsets = loadmat(str(path), squeeze_me=True)["synsets"]
         leaves = sorted((int(s["ILSVRC2012_ID"]), str(s["WNID"])) for s in synsets if int(s["num_children"]) == 0)
     except Exception as e:
-        raise ConversionError(f"cannot read ILSVRC devkit synsets from {path} ({type(e).__name__}: {e}); "
+        raise LabelsError(f"cannot read ILSVRC devkit synsets from {path} ({type(e).__name__}: {e}); "
                               "expected ILSVRC2012_devkit_t12/data/meta.mat") from None
     return [wnid for _, wnid in leaves]
 
 
-def _parse_label(token: str, index: dict[str, int], offset: int, where: str,
+def parse_label(token: str, index: dict[str, int], offset: int, where: str,
                  names: list[str] | None = None) -> int:
-    if re.fullmatch(r"[+-]?[0-9]+", token):
+    if re.fullmatch(r"[+-]?\d+", token):
         label = int(token) - offset
         span = len(index) if names is None else len(names)
         if not 0 <= label < span:
-            raise ConversionError(
+            raise LabelsError(
                 f"{where}: label {token} gives index {label} (after --label-offset {offset}), "
                 f"out of range [0, {span}); 1-based ILSVRC ground truth needs --label-offset 1")
         if names is None:
@@ -90,12 +89,12 @@ def _parse_label(token: str, index: dict[str, int], offset: int, where: str,
         token = names[label]
     if token in index:
         return index[token]
-    raise ConversionError(f"{where}: class '{token}' is not in --classes{did_you_mean(token, index, n=1)}")
+    raise LabelsError(f"{where}: class '{token}' is not in --classes{did_you_mean(token, index, n=1)}")
 
 
-def read_labels(path: Path, images: Sequence[PurePath], classes: list[str], offset: int,
+def read_labels(path: Path, images: list[Path], classes: list[str], offset: int,
                 names: list[str] | None = None) -> list[int]:
-    """Labels of ``images`` (sorted; files or archive members) from ``path``.
+    """Labels of ``images`` (sorted) from ``path``.
 
     Accepted line formats (blank lines and ``#`` comments skipped, ``,`` or whitespace separated):
       ``filename label``: label is a class index (minus ``offset``) or a class name; filename
@@ -109,23 +108,23 @@ def read_labels(path: Path, images: Sequence[PurePath], classes: list[str], offs
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConversionError(f"cannot read labels file {path}: {getattr(e, 'strerror', None) or e}") from None
+        raise LabelsError(f"cannot read labels file {path}: {getattr(e, 'strerror', None) or e}") from None
     rows = [(n, re.split(r"[\s,]+", line.strip())) for n, line in enumerate(lines, 1)
             if line.strip() and not line.lstrip().startswith("#")]
     if not rows:
-        raise ConversionError(f"labels file {path} holds no labels")
+        raise LabelsError(f"labels file {path} holds no labels")
     index = {name: i for i, name in enumerate(classes)}
     if all(len(cols) == 1 for _, cols in rows):
         if len(rows) != len(images):
-            raise ConversionError(f"{path} has {len(rows)} labels, one a line, for {len(images)} images; "
+            raise LabelsError(f"{path} has {len(rows)} labels, one a line, for {len(images)} images; "
                                   "a one-column labels file needs one line per image in sorted filename order")
-        return [_parse_label(cols[0], index, offset, f"{path}:{n}", names) for n, cols in rows]
+        return [parse_label(cols[0], index, offset, f"{path}:{n}", names) for n, cols in rows]
     if rows[0][1][0].lower() in ("imageid", "image", "filename", "file", "name", "id"):
         rows = rows[1:]  # CSV header, e.g. "ImageId,PredictionString"
     by_name: dict[str, tuple[str, str]] = {}
     for n, cols in rows:
         if len(cols) < 2:
-            raise ConversionError(f"{path}:{n}: expected 'filename label', got {lines[n - 1]!r}")
+            raise LabelsError(f"{path}:{n}: expected 'filename label', got {lines[n - 1]!r}")
         by_name[cols[0]] = (cols[1], f"{path}:{n}")
     labels, missing = [], []
     for image in images:
@@ -133,7 +132,7 @@ def read_labels(path: Path, images: Sequence[PurePath], classes: list[str], offs
         if entry is None:
             missing.append(image.name)
             continue
-        labels.append(_parse_label(entry[0], index, offset, entry[1], names))
+        labels.append(parse_label(entry[0], index, offset, entry[1], names))
     if missing:
-        raise ConversionError(f"{path} has no label for {len(missing)} image(s), e.g. {missing[:3]}")
+        raise LabelsError(f"{path} has no label for {len(missing)} image(s), e.g. {missing[:3]}")
     return labels
