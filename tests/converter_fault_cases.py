@@ -3,13 +3,30 @@
 
     python tests/converter_fault_cases.py [REPO_ROOT]     (default: this checkout)
 
-Each case runs ``scripts/make_wds_shards.py`` of REPO_ROOT (with ``PYTHONPATH=REPO_ROOT``) in
-a fresh temporary folder on a small digits ImageFolder and reports what a user would see:
-the exit status, the last line of stderr and what is on disk afterwards. Run against the
-code before and after a change, the rows give the before/after table of
-tests/fault_cases_converter.md. Interrupts and unreadable files are injected in a child
-process (a real SIGINT to the process group at a chosen image; ``PermissionError`` from
-reading one file, since the tests run as root, who can read any file).
+Each case runs ``scripts/make_wds_shards.py`` (the ``dcvit-shards`` command) of REPO_ROOT
+(with ``PYTHONPATH=REPO_ROOT``) in a fresh temporary folder on a small digits ImageFolder (3
+classes, 8 images a class and split; 40 a class for the two-conversions case, 20 for
+Ctrl-C) and reports what a user would see: the exit status, the last line of stderr and
+what is on disk afterwards. Interrupts and unreadable files are injected in a child process
+(a real SIGINT to the converter's process group from inside a worker at its 25th image, as
+a terminal sends it to every process of the command; ``PermissionError`` from reading one
+file, since the tests run as root, who can read any file). The tests of each "after" are in
+tests/test_converter_faults.py.
+
+"Before" is the converter before these cases were fixed, "after" the code now:
+
+| case | before | after |
+|---|---|---|
+| symlink loop `ln -s .. SRC/1/loop`, then `--verify` | exit 0: 984 samples written from 24 files (the images of classes 0 and 2 reached through `1/loop/…` labelled 1); `--verify` OK | exit 2 before writing: `SRC/1/loop -> SRC: already read as SRC`; the same for a link into another class folder, a class folder linked to another, two links to one file. Links to folders and files outside `--src` are followed, each file once, labelled by the class folder it is listed in |
+| dangling symlink `SRC/1/gone.png` | exit 1, `FileNotFoundError` traceback | exit 2 before writing: `SRC/1/gone.png -> /nonexistent/x.png: the link's target does not exist` |
+| `--src digits/val --out DIR` (no `--split`), DIR holding train | exit 0: the val images written as `train-*`, the train split replaced; no `val.json` | exit 0: `--split val (from the name of --src …)`, `val.json` written, train byte for byte unchanged (`train_val` as a name: exit 2, pass `--split`) |
+| another source folder into an existing split; the same source again | exit 0, the split replaced silently | exit 2: `DIR already holds a train split (24 samples) made from …/train; --src …/more would replace it: pass --split NAME …, another --out, or --overwrite`; the same source again: exit 0 (byte-identical shards); with `--overwrite`: exit 0 |
+| two conversions into one folder (the second starts while the first writes) | both exit 0, reporting 120 and 90 samples while `train.json` says 90; or (the second starting mid-write) the first exit 1, its temporary shard deleted by the second's clean-up, the second exit 0 | first exit 0, second exit 2 before any work: `--out DIR is in use by another conversion (pid N on HOST, started …)` |
+| `--verify` of a folder after the trainer's start-up check | exit 1: `.dcvit-shard-check.json: missing or incomplete metadata`; a conversion of other classes lists the split(s) `['train', '.dcvit-shard-check']` | exit 0; the other-classes error lists `['train']` |
+| a key twice in a shard (adjacent) | the start-up check passes; reading stops mid-epoch: `shard … cannot be read (ValueError: … duplicate file name …); it passed the start-up check, so it changed or its storage failed since`; `--verify` exit 1 | the start-up check (exit 2 in training) and `--verify` (exit 1), one verifier: `key '1__70' occurs twice (member '1__70.cls' repeats); each sample needs its own key`; also for a key that comes back later in the shard, and a sample without its `.cls` |
+| Ctrl-C during a conversion with `--workers 2`, then a rerun | one try hung (workers defunct, the parent waiting; killed after 300 s); another exit 1 with a `KeyboardInterrupt` traceback. Both: `train.json` removed and the old and new shards mixed on disk (readable by the trainer as a split); `--verify` exit 1; the rerun completes | exit 130: `interrupted; the shards being written were removed …: re-run the command`; the previous split unchanged (`--verify` exit 0); the rerun completes. Ctrl-C while the finished shards are moved in takes effect after the move |
+| a source file that cannot be read | exit 1, `PermissionError` traceback; the previous split's `train.json` removed | exit 2: `cannot read …/2/50.png (Permission denied); make it readable or move it out of --src, then re-run`; the previous split unchanged. An image name that is a FIFO or device: exit 2 before writing |
+| a file name that is not UTF-8 and longer than 90 bytes (round three) | exit 1, `UnicodeEncodeError` traceback from `make_keys` | converted: the key is cut and ends with a hash of the name's own bytes (unique, ASCII, fits a ustar header); `tests/test_converter_sources.py::test_a_non_utf8_file_name_longer_than_90_bytes_converts` |
 """
 import json
 import os

@@ -1,7 +1,7 @@
-"""Faults of scripts/make_wds_shards.py found by trying to break it as a user would: each ends
-as a refusal (exit 2, naming the cause and the fix) before any shard is replaced, or is
-handled with nothing lost. The cases, what the code did before and what it does now, are in
-tests/fault_cases_converter.md (reproduced by tests/converter_fault_cases.py).
+"""Faults of the converter (dcvit-shards) found by trying to break it as a user would: each
+ends as a refusal (exit 2, naming the cause and the fix) before any shard is replaced, or is
+handled with nothing lost. The cases, what the code did before and what it does now, are the
+table of tests/converter_fault_cases.py, which reproduces them.
 
 The tests run as root, who can read any file, so an unreadable source file is simulated by
 making ``Path.read_bytes`` raise ``PermissionError`` for one file, and by a FIFO named like an

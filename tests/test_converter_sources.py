@@ -4,6 +4,7 @@ read without extraction; the missing optional packages and bad non-UTF-8 names."
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def _check(out: Path, split: str, n: int, classes=ic.WNIDS) -> list:
     """Every sample of ``split`` is one source image, once, labelled with its class."""
     got = _read_back(out, split)
     assert len(got) == n and len({data for _, data, _ in got}) == n
-    assert [(TRUTH[data], label) for _, data, label in got] == [(label, label) for _, _, label in got]
+    assert [TRUTH[data] for _, data, _ in got] == [label for _, _, label in got]
     assert json.loads((out / "classes.json").read_text()) == list(classes)
     return got
 
@@ -232,3 +233,48 @@ def test_a_non_utf8_file_name_longer_than_90_bytes_converts(tmp_path):
     assert got[odd_key] == 0 and len(odd_key) <= plan.MAX_KEY_CHARS
     with tarfile.open(next(out.glob("train-*.tar"))) as tar:
         assert all(len(m.name) <= 100 for m in tar.getmembers())
+
+
+# ----------------------------------------------------------------------------- docs/data.md
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "data.md"
+
+
+def _doc_blocks() -> list[list[list[str]]]:
+    """The dcvit-shards commands of each ```bash block of docs/data.md's converting section."""
+    text = DOCS.read_text().split("## Converting each source", 1)[1].split("\n## ", 1)[0]
+    blocks = []
+    for body in text.split("```bash\n")[1:]:
+        lines = body.split("\n```", 1)[0].replace("\\\n", " ").splitlines()
+        blocks.append([shlex.split(line) for line in lines if line.startswith("dcvit-shards ")])
+    return blocks
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    """The copies under the names the docs use (``/data/...``)."""
+    data = tmp_path_factory.mktemp("root") / "data"
+    ic.train_folder(COPY, data / "imagenet" / "train")
+    ic.val_flat(COPY, data / "imagenet" / "val")
+    ic.train_tar(COPY, data)
+    ic.val_tar(COPY, data)
+    ic.devkit(COPY, data, as_tar_gz=True)
+    ic.kaggle(COPY, data / "kaggle")
+    shutil.copy(data / "kaggle" / "LOC_val_solution.csv", data / "imagenet")
+    ic.timm_wds(COPY, data / "imagenet-1k-wds")
+    ic.parquet(COPY, data / "imagenet-1k")
+    ic.torchvision_root(COPY, data / "torchvision-imagenet")
+    return data
+
+
+@pytest.mark.parametrize("block", range(len(_doc_blocks())))
+def test_every_converting_command_of_the_docs_runs(block, data_root, tmp_path):
+    commands = _doc_blocks()[block]
+    assert commands, "each block of the section gives commands"
+    out = tmp_path / "out"
+    for argv in commands:
+        args = [a.replace("/data/imagenet-wds", str(out)).replace("/data/", f"{data_root}/") for a in argv[1:]]
+        assert cli.main([*args, "--no-progress", "--workers", "1"]) == 0, argv
+    classes = json.loads((out / "classes.json").read_text())
+    assert classes in (ic.WNIDS, ic.WORDS)
+    _check(out, "train", N_TRAIN, classes)
+    _check(out, "val", N_VAL, classes)
