@@ -24,6 +24,7 @@ from pathlib import Path, PurePosixPath
 from typing import Iterator
 
 from dcvit.schema import IMAGE_EXTENSIONS, LABEL_EXTENSION
+from train_imagenet.images import is_image_name
 
 from .plan import ConversionError
 
@@ -32,8 +33,7 @@ Member = tuple
 
 
 def _is_image(name: str) -> bool:
-    base = PurePosixPath(name).name
-    return not base.startswith(".") and base.rsplit(".", 1)[-1].lower() in IMAGE_EXTENSIONS
+    return is_image_name(PurePosixPath(name).name)
 
 
 def _open(path: Path) -> tarfile.TarFile:
