@@ -72,6 +72,7 @@ def class_tar_members(path: Path) -> tuple[list[str], list[Member]]:
     """(class names in sorted order, images) of a tar of per-class tars; each image's
     relative path is ``<class>/<file>``, as in the folder the archive extracts to."""
     found: list[Member] = []
+    where = str(path)  # one string shared by every sample
     with _open(path) as tar:
         inner_tars = sorted((m for m in _files(tar, path) if m.name.endswith(".tar")), key=lambda m: m.name)
         for outer in inner_tars:
@@ -84,7 +85,7 @@ def class_tar_members(path: Path) -> tuple[list[str], list[Member]]:
                                       "download the archive again") from None
             for m in sorted(files, key=lambda m: m.name):
                 if _is_image(m.name):
-                    found.append((f"{name}/{m.name}", name, str(path), m.size, (outer.offset_data + m.offset_data,)))
+                    found.append((f"{name}/{m.name}", name, where, m.size, (outer.offset_data + m.offset_data,)))
     names = sorted({f[1] for f in found})
     if not found:
         raise ConversionError(f"{path}: its per-class tars hold no images")
@@ -95,7 +96,8 @@ def image_members(path: Path) -> list[Member]:
     """The images of a flat tar, sorted by name (label ``None``: a labels file gives them)."""
     with _open(path) as tar:
         files = sorted((m for m in _files(tar, path) if _is_image(m.name)), key=lambda m: m.name)
-    return [(m.name, None, str(path), m.size, (m.offset_data,)) for m in files]
+    where = str(path)
+    return [(m.name, None, where, m.size, (m.offset_data,)) for m in files]
 
 
 def wds_members(shards: list[Path]) -> list[Member]:
@@ -105,6 +107,7 @@ def wds_members(shards: list[Path]) -> list[Member]:
     webdataset does; a sample needs one image and one ``.cls``."""
     found: list[Member] = []
     for shard in shards:
+        where = str(shard)
         with _open(shard) as tar:
             samples: dict[str, dict] = {}
             for m in _files(tar, shard):
@@ -123,7 +126,7 @@ def wds_members(shards: list[Path]) -> list[Member]:
                 if not text.isdigit() or not text.isascii():
                     raise ConversionError(f"{shard}: sample {key} has .cls {text!r}, not a class index")
                 image = parts[images[0]]
-                found.append((key, int(text), str(shard), image.size, (image.offset_data,)))
+                found.append((key, int(text), where, image.size, (image.offset_data,)))
     return found
 
 

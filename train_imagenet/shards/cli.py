@@ -51,6 +51,7 @@ def convert(args: argparse.Namespace) -> dict:
     keys = make_keys([m[0] for m in listing.members])
     samples = [Sample(path, key, label, size, at)
                for (_, label, path, size, at), key in zip(listing.members, keys)]
+    listing.members = []  # the samples hold what the writers need
     shuffle = split == "train" if args.shuffle is None else args.shuffle
     if shuffle:
         random.Random(args.seed).shuffle(samples)

@@ -25,7 +25,7 @@ class ConversionError(Exception):
     """A bad input or option; the message names the value and the fix."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     path: str        # the file holding the image: an image file, a tar, a Parquet file
     key: str         # WebDataset key: unique, no dots or slashes
