@@ -105,14 +105,17 @@ def test_shards_are_counted_and_metadata_gives_the_class_count(tmp_path, caplog)
     meta = {"num_samples": 20, "num_classes": 12, "shards": [os.path.basename(p) for p in paths]}
     (tmp_path / "val.json").write_text(json.dumps(meta))
     counts = count_samples(resolve_source(str(tmp_path), "data.val"))
-    assert counts == {"num_samples": 20, "num_classes": 12, "classes_exact": 1}
+    assert counts["lengths"] == [10, 10]                           # per shard, for the dealing
+    assert {k: counts[k] for k in ("num_samples", "num_classes", "classes_exact")} == {
+        "num_samples": 20, "num_classes": 12, "classes_exact": 1}
     meta["num_samples"] = 999
     (tmp_path / "val.json").write_text(json.dumps(meta))          # stale metadata: the shards win
     assert count_samples(resolve_source(str(tmp_path), "data.val"))["num_samples"] == 20
     assert "says num_samples=999 but the shards hold 20" in caplog.text
     meta["shards"] = ["other.tar"]
     (tmp_path / "val.json").write_text(json.dumps(meta))          # describes other shards
-    assert count_samples(resolve_source(str(tmp_path), "data.val")) == {
+    counts = count_samples(resolve_source(str(tmp_path), "data.val"))
+    assert {k: counts[k] for k in ("num_samples", "num_classes", "classes_exact")} == {
         "num_samples": 20, "num_classes": int(max(y)) + 1, "classes_exact": 0}
 
 
@@ -168,13 +171,14 @@ def test_corrupt_train_samples_are_replaced_and_counted(tmp_path, world, workers
 
 
 def test_corrupt_train_images_in_folder_are_replaced(tmp_path):
-    x, y = digits(40)
-    write_folder(str(tmp_path / "train"), x, y)
-    bad = sorted(str(p) for p in (tmp_path / "train").rglob("*.png"))[:3]
-    for p in bad:
-        with open(p, "wb") as f:
-            f.write(b"not an image")
-    cfg = _cfg(str(tmp_path / "train"), str(tmp_path / "train"))
+    x, y = digits(80)
+    for split, part in (("train", slice(0, 40)), ("val", slice(40, 80))):
+        write_folder(str(tmp_path / split), x[part], y[part])
+        bad = sorted(str(p) for p in (tmp_path / split).rglob("*.png"))[:3]
+        for p in bad:
+            with open(p, "wb") as f:
+                f.write(b"not an image " + split.encode())
+    cfg = _cfg(str(tmp_path / "train"), str(tmp_path / "val"))
     pipe = build_data(cfg, "train")
     sizes, skipped = [], 0
     for xb, yb, s in pipe.loader(0):

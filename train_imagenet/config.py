@@ -33,8 +33,17 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     train: str = ""                  # WebDataset shards ('DIR/train-{000000..000099}.tar', a
-                                     # directory of .tar files) or an ImageFolder directory
+                                     # directory of .tar files), timm's WebDataset folder, a
+                                     # Hugging Face Parquet folder, an ImageFolder directory,
+                                     # a torchvision ImageNet root (docs/data.md)
     val: str = ""
+    train_split: str = ""            # the split of data.train to read; '' = 'train'
+    val_split: str = ""              # '' = 'validation' or 'val', whichever the folder has
+    train_labels: str = ""           # labels file of a flat image folder in data.train
+    val_labels: str = ""             # labels file of a flat image folder in data.val
+    label_offset: int = 0            # subtracted from integer labels of a labels file (1: 1-based)
+    label_names: str = ""            # names of a labels file's integers (devkit meta.mat, a list)
+    kind: str = ""                   # '' (from what is on disk) or one of data.KINDS
     num_classes: int = 1000
     img_size: int = 224
     train_samples: Optional[int] = None   # samples in data.train; counted at start-up if unset
@@ -160,6 +169,8 @@ class Config:
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("data.on_corrupt", self.data.on_corrupt, ("skip", "fail"))
+        _choice("data.kind", self.data.kind, ("", "shards", "timm-wds", "parquet", "imagefolder",
+                                              "torchvision", "flat"))
         _choice("convert.init", self.convert.init, ("identity", "paper"))
         if self.convert.lr_mult < 0:
             raise ConfigError(f"convert.lr_mult={self.convert.lr_mult!r} must be >= 0")

@@ -8,7 +8,7 @@ the dataset (and for map-style ones the sampler) of one rank. `shards` (tar file
 a stream) and `folder` (image files read by index) are the kinds.
 """
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 __all__ = ["DataError", "Source", "is_remote"]
 
@@ -31,10 +31,12 @@ class Source:
     split: str = ""
     num_samples: Optional[int] = None                 # known without a scan, when it is
     classes: Optional[List[str]] = None               # class names in label order, when known
+    shard_lengths: Optional[List[int]] = None         # samples per file, when known
+    samples: Optional[List[Tuple[str, int]]] = None   # folder: (file, label), when not listed
 
     def __post_init__(self) -> None:
         if not self.layout:
-            self.layout = "shards" if self.kind == "wds" else "imagefolder"
+            self.layout = {"wds": "shards", "folder": "imagefolder"}.get(self.kind, self.kind)
 
     @property
     def files(self) -> List[str]:
