@@ -144,13 +144,15 @@ def test_timm_release_without_class_names_or_with_a_short_download(tmp_path, cap
     root = ic.timm_wds(COPY, tmp_path / "wds")
     assert _run("--src", root, "--out", tmp_path / "o") == 2
     assert "pass --classes FILE (for ImageNet-1k: LOC_synset_mapping.txt" in capsys.readouterr().err
+    assert _run("--src", root, "--out", tmp_path / "o", "--split", "test") == 2
+    assert "holds the splits ['train', 'validation'], not test; pass --split" in capsys.readouterr().err
     (root / "imagenet1k-train-0001.tar").unlink()
     assert _run("--src", root, "--out", tmp_path / "o", "--classes", tmp_path / "x") == 2
     err = capsys.readouterr().err
     assert "cannot read class names file" in err
     (tmp_path / "c.json").write_text(json.dumps(ic.WNIDS))
     assert _run("--src", root, "--out", tmp_path / "o", "--classes", tmp_path / "c.json") == 2
-    assert "shard(s) that _info lists for train are missing" in capsys.readouterr().err
+    assert "train shards its _info lists are missing" in capsys.readouterr().err
 
 
 def test_huggingface_parquet_release(tmp_path):

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dcvit.schema import check_split
-from train_imagenet.data.labels import LabelsError
+from train_imagenet.data import DataError
 
 from .plan import ConversionError, Sample, infer_split, make_keys
 from .sources import Options, list_source
@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         if args.verify:
             return 1 if verify(Path(args.out), [args.split], args.workers, args.progress) else 0
         return 0
-    except (ConversionError, LabelsError) as e:
+    except (ConversionError, DataError) as e:  # DataError: the trainer's readers, labels files
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,73 +1,26 @@
-"""The Hugging Face Parquet release of ImageNet (``ILSVRC/imagenet-1k``) as a source.
+"""The rows of a Hugging Face Parquet release (``ILSVRC/imagenet-1k``) as samples to convert.
 
-``ROOT/data/{train,validation,test}-NNNNN-of-NNNNN.parquet`` with columns ``image``
-(``{bytes, path}``) and ``label``; the class names are in the dataset card
-(``ROOT/README.md``, ``dataset_info.features`` of ``label``); the test split's labels are
-all -1. Files are read in place with pyarrow (the ``parquet`` extra): the listing reads the
-``label`` and ``image.path`` columns only, and the writers read the image bytes of each row
-group their shard needs, once per shard.
+The split's files and the dataset card's class names are found as the trainer finds them
+(`train_imagenet.data.parquet`). Files are read in place with pyarrow (the ``parquet``
+extra): the listing reads the ``label`` and ``image.path`` columns only, and the writers
+read the image bytes of each row group their shard needs, once per shard. A split whose
+labels are all -1 (the test split) is refused.
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-import yaml
+from train_imagenet.data.parquet import EXTRA
 
 from .plan import ConversionError
-
-# our split name -> the file prefix of the release
-SPLIT_FILES = {"train": "train", "val": "validation", "test": "test"}
 
 
 def _pq():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ConversionError("reading Parquet files needs pyarrow, which is not installed: "
-                              "pip install 'dcvit[parquet]'") from None
+        raise ConversionError(f"reading Parquet files needs pyarrow, which is not installed: {EXTRA}") from None
     return pq
-
-
-def parquet_files(root: Path) -> list[Path]:
-    """The ``.parquet`` files of a release folder (``ROOT/data/`` or ``ROOT`` itself)."""
-    folder = root / "data" if (root / "data").is_dir() else root
-    return sorted(folder.glob("*.parquet"))
-
-
-def split_files(root: Path, split: str) -> list[Path]:
-    """The files of ``split`` (``val`` reads ``validation-*.parquet``)."""
-    files = parquet_files(root)
-    prefix = SPLIT_FILES.get(split, split)
-    chosen = [f for f in files if f.name.startswith(prefix + "-")]
-    if not chosen:
-        have = sorted({f.name.split("-", 1)[0] for f in files})
-        raise ConversionError(f"{root} has no {prefix}-*.parquet files for --split {split} "
-                              f"(it has {have}); pass --split with one of {have}")
-    return chosen
-
-
-def card_class_names(root: Path) -> list[str] | None:
-    """The class names of ``label`` in the dataset card's ``dataset_info``, or None."""
-    card = root / "README.md"
-    if not card.is_file():
-        return None
-    match = re.match(r"---\n(.*?)\n---", card.read_text(encoding="utf-8"), re.S)
-    if not match:
-        return None
-    try:
-        info = yaml.safe_load(match.group(1)).get("dataset_info", {})
-    except (yaml.YAMLError, AttributeError) as e:
-        raise ConversionError(f"{card}: its front matter is not valid YAML ({e}); pass --classes FILE") from None
-    for features in ([info] if isinstance(info, dict) else info):
-        for feature in features.get("features", []):
-            names = feature.get("dtype", {}).get("class_label", {}).get("names") \
-                if feature.get("name") == "label" and isinstance(feature.get("dtype"), dict) else None
-            if isinstance(names, dict):
-                return [str(names[k]) for k in sorted(names, key=int)]
-            if isinstance(names, list):
-                return [str(n) for n in names]
-    return None
 
 
 def parquet_members(files: list[Path]) -> list[tuple]:

@@ -21,14 +21,13 @@ A root that holds several splits (timm, Parquet, torchvision, Kaggle) gives the 
 """
 from __future__ import annotations
 
-import json
 import os
-import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-import yaml
+from train_imagenet.data import parquet as data_parquet
+from train_imagenet.data import timm_wds
 
 from . import archives, parquet
 from .folders import _check_source, scan_class_folders, scan_flat
@@ -39,7 +38,7 @@ KINDS = ("folders", "flat", "imagenet-train-tar", "imagenet-tar", "timm-wds", "p
 KAGGLE_MAPPING = "LOC_synset_mapping.txt"
 KAGGLE_VAL_LABELS = "LOC_val_solution.csv"
 KAGGLE_IMAGES = Path("ILSVRC") / "Data" / "CLS-LOC"
-_TIMM_SHARD = re.compile(r".+-(train|validation|val|test)-\d+\.tar")
+ALIASES = {"val": ("validation",), "validation": ("val",)}  # one split, two names
 
 
 @dataclass
@@ -72,9 +71,9 @@ def source_kind(src: Path, labels: bool) -> str:
         raise ConversionError(f"--src {src} is a file but no .tar or .parquet; pass the folder that "
                               "holds the images, or an uncompressed ILSVRC2012_img_*.tar")
     names = set(os.listdir(src))
-    if {"_info.json", "_info.yaml"} & names or any(_TIMM_SHARD.fullmatch(n) for n in names):
+    if timm_wds.is_timm(str(src), sorted(n for n in names if n.endswith(".tar"))):
         return "timm-wds"
-    if parquet.parquet_files(src):
+    if data_parquet.files_of(str(src)):
         return "parquet"
     if "meta.bin" in names and {"train", "val"} & names:
         return "torchvision"
@@ -125,47 +124,16 @@ def _index_labels(members: list[tuple], classes: list[str] | None, src: Path, hi
     return classes
 
 
-def _timm_info(root: Path) -> dict:
-    for name in ("_info.json", "_info.yaml"):
-        path = root / name
-        if path.is_file():
-            try:
-                text = path.read_text(encoding="utf-8")
-                return json.loads(text) if name.endswith(".json") else yaml.safe_load(text) or {}
-            except (OSError, ValueError, yaml.YAMLError) as e:
-                raise ConversionError(f"cannot read {path} ({e}); fix or remove it (the shard names "
-                                      "then give the splits)") from None
-    return {}
-
-
-def timm_shards(root: Path, split: str) -> tuple[list[Path], int | None]:
-    """(shards, listed sample count) of ``split`` in timm's layout; ``_info`` first, else the names."""
-    info = _timm_info(root)
-    wanted = [split] + (["validation"] if split == "val" else [])
-    splits = info.get("splits") if isinstance(info, dict) else None
-    if isinstance(splits, list):
-        splits = {s.get("name"): s for s in splits if isinstance(s, dict)}
-    if splits:
-        chosen = next((s for s in wanted if s in splits), None)
-        if chosen is None:
-            raise ConversionError(f"{root}: _info lists the splits {sorted(splits)}, not {split}; "
-                                  f"pass --split with one of them")
-        shards = [root / f for f in splits[chosen]["filenames"]]
-        missing = [str(s) for s in shards if not s.is_file()]
-        if missing:
-            raise ConversionError(f"{root}: {len(missing)} shard(s) that _info lists for {chosen} are missing, "
-                                  f"e.g. {missing[0]}; download them or fix _info")
-        return shards, splits[chosen].get("num_samples")
-    found = {}
-    for n in sorted(os.listdir(root)):
-        m = _TIMM_SHARD.fullmatch(n)
-        if m:
-            found.setdefault(m.group(1), []).append(root / n)
-    chosen = next((s for s in wanted if s in found), None)
-    if chosen is None:
-        raise ConversionError(f"{root} has no *-{wanted[-1]}-NNNN.tar shards (it has {sorted(found)}); "
-                              "pass --split with one of them")
-    return found[chosen], None
+def _chooser(src: Path, split: str):
+    """The ``choose`` of the trainer's resolvers (`train_imagenet.data`): ``split`` or its
+    other name among the splits a root holds; none of them is an error naming ``--split``."""
+    def choose(have: list[str]) -> str:
+        for name in (split, *ALIASES.get(split, ())):
+            if name in have:
+                return name
+        raise ConversionError(f"--src {src} holds the splits {have}, not {split}; pass --split "
+                              "with one of them")
+    return choose
 
 
 def list_source(src: Path, split: str, opts: Options, stack: ExitStack) -> Listing:
@@ -237,16 +205,20 @@ def list_source(src: Path, split: str, opts: Options, stack: ExitStack) -> Listi
         classes, labels = _labelled(members, opts, classes, src, stack)
         return Listing(kind, classes, [(r, y, p, s, a) for (r, _, p, s, a), y in zip(members, labels)], source)
     if kind == "timm-wds":
-        shards, listed = timm_shards(src, split)
-        members = archives.wds_members(shards)
-        if listed is not None and listed != len(members):
-            raise ConversionError(f"{src}: _info says {split} holds {listed} samples, its shards hold "
-                                  f"{len(members)}; the download is incomplete or _info belongs elsewhere")
+        found = timm_wds.resolve(str(src), "--src", _chooser(src, split))
+        members = archives.wds_members([Path(f) for f in found.shards])
+        if found.num_samples is not None and found.num_samples != len(members):
+            raise ConversionError(f"{src}: _info says {found.split} holds {found.num_samples} samples, "
+                                  f"its shards hold {len(members)}; the download is incomplete or _info "
+                                  "belongs elsewhere")
         classes = _index_labels(members, classes, src, "for ImageNet-1k: LOC_synset_mapping.txt or the "
                                                       "classes.json of a converted split")
         return Listing(kind, classes, members, source)
-    files = [src] if src.is_file() else parquet.split_files(src, split)
+    if src.is_file():
+        files, card = [src], data_parquet.card_classes(str(src.parent.parent))
+    else:
+        found = data_parquet.resolve(str(src), "--src", _chooser(src, split))
+        files, card = [Path(f) for f in found.shards], found.classes
     members = parquet.parquet_members(files)
-    card = parquet.card_class_names(src if src.is_dir() else src.parent.parent)
     classes = _index_labels(members, classes or card, src, "the dataset card README.md names none")
     return Listing(kind, classes, members, source)
