@@ -155,6 +155,18 @@ def test_timm_release_without_class_names_or_with_a_short_download(tmp_path, cap
     assert "train shards its _info lists are missing" in capsys.readouterr().err
 
 
+def test_verify_never_takes_timms_info_for_a_split(tmp_path, capsys):
+    root = ic.timm_wds(COPY, tmp_path / "imagenet-1k-wds")
+    assert _run("--verify", root) == 2
+    err = capsys.readouterr().err
+    assert "this is timm's WebDataset release" in err and "_info" not in err.split("release")[0]
+    out, mapping = tmp_path / "out", ic.kaggle(COPY, tmp_path / "k") / "LOC_synset_mapping.txt"
+    assert _run("--src", root, "--out", out, "--split", "val", "--classes", mapping) == 0
+    shutil.copy(root / "_info.json", out)  # beside our shards it is still no split
+    assert _run("--verify", out) == 0
+    assert "verify val:" in capsys.readouterr().out
+
+
 def test_huggingface_parquet_release(tmp_path):
     root, out = ic.parquet(COPY, tmp_path / "imagenet-1k"), tmp_path / "out"
     assert _run("--src", root, "--out", out, "--split", "train", "--shard-size", 7) == 0

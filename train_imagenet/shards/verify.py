@@ -17,6 +17,7 @@ from typing import Sequence
 from dcvit.schema import CLASSES_FILE, split_names
 from train_imagenet.data.verify import scan_shard
 
+from train_imagenet.data import timm_wds
 from train_imagenet.data.labels import LabelsError, read_class_names
 from .plan import ConversionError
 from .write import run_tasks
@@ -36,7 +37,11 @@ def verify(out: Path, splits: Sequence[str] | None, workers: int, progress: bool
     if not out.is_dir():
         raise ConversionError(f"--verify {out}: no such folder; give the --out folder of the shards")
     if splits is None:
-        splits = split_names(str(out))
+        # timm's _info.json is its release's metadata, never a split of ours
+        splits = [s for s in split_names(str(out)) if f"{s}.json" not in timm_wds.INFO_NAMES]
+        if not splits and timm_wds.is_timm(str(out), sorted(p.name for p in out.glob("*.tar"))):
+            raise ConversionError(f"--verify {out}: this is timm's WebDataset release, not shards written "
+                                  f"by dcvit-shards; train on it as it is, or convert it with --src {out}")
         if not splits:  # empty, or a conversion stopped before writing its metadata
             problem = (f"no split metadata (<split>.json) in {out}: write shards with --src/--out "
                        f"first (an interrupted conversion leaves none: re-run it)")
