@@ -1,6 +1,7 @@
 """dcvit-shards on every ImageNet source (tests/imagenet_copies.py): each sample read back
 from the shards is its source's bytes, under the class the source gives it; the archives are
 read without extraction; the missing optional packages and bad non-UTF-8 names."""
+import gzip
 import hashlib
 import json
 import os
@@ -101,13 +102,17 @@ def test_archive_errors_name_the_file_and_the_fix(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and str(cut) in err and "Traceback" not in err
     gz = tmp_path / "ILSVRC2012_img_val.tar.gz"
-    assert _run("--src", gz, "--out", tmp_path / "o") == 2  # does not exist
+    gz.write_bytes(gzip.compress(tar.read_bytes()))
+    assert _run("--src", gz, "--out", tmp_path / "o") == 2
+    assert "no .tar or .parquet" in capsys.readouterr().err
+    assert _run("--src", tmp_path / "missing.tar", "--out", tmp_path / "o") == 2
     assert "does not exist" in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- Kaggle
-def test_kaggle_root_gives_train_and_val(tmp_path):
-    root, out = ic.kaggle(COPY, tmp_path / "kaggle"), tmp_path / "out"
+# ----------------------------------------------------------------------------- Kaggle, torchvision
+@pytest.mark.parametrize("build", [ic.kaggle, ic.torchvision_root], ids=["kaggle", "torchvision"])
+def test_a_root_of_both_splits_gives_each(tmp_path, build):
+    root, out = build(COPY, tmp_path / "root"), tmp_path / "out"
     assert _run("--src", root, "--out", out, "--split", "train") == 0
     assert _run("--src", root, "--out", out, "--split", "val") == 0
     _check(out, "train", N_TRAIN)
@@ -124,7 +129,7 @@ def test_kaggle_folders_with_loc_files(tmp_path):
     _check(out, "val", N_VAL)
 
 
-# ----------------------------------------------------------------------------- timm, Hugging Face, torchvision
+# ----------------------------------------------------------------------------- timm, Hugging Face
 @pytest.mark.parametrize("info", ["json", "yaml", "none"])
 def test_timm_webdataset_release(tmp_path, info):
     root = ic.timm_wds(COPY, tmp_path / "imagenet-1k-wds")
@@ -180,14 +185,6 @@ def test_parquet_test_split_is_refused(tmp_path, capsys):
     assert _run("--src", root, "--out", tmp_path / "o", "--split", "test") == 2
     err = capsys.readouterr().err
     assert "every label of test is -1" in err and not (tmp_path / "o").exists()
-
-
-def test_torchvision_imagenet_root(tmp_path):
-    root, out = ic.torchvision_root(COPY, tmp_path / "tv"), tmp_path / "out"
-    assert _run("--src", root, "--out", out, "--split", "train") == 0
-    assert _run("--src", root, "--out", out, "--split", "val") == 0
-    _check(out, "train", N_TRAIN)
-    _check(out, "val", N_VAL)
 
 
 # ----------------------------------------------------------------------------- missing extras

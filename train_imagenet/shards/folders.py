@@ -31,6 +31,18 @@ def _refuse_links(src: Path, problems: list[str]) -> None:
         raise ConversionError(str(e)) from None
 
 
+def known_classes(found: list[str], classes: list[str] | None, what: str, src: Path) -> list[str]:
+    """``classes`` (``--classes``), which must name every class ``found`` in ``src``, or the
+    ``found`` names themselves (sorted: torchvision's order)."""
+    if classes is None:
+        return sorted(found)
+    unknown = [f for f in found if f not in set(classes)]
+    if unknown:
+        raise ConversionError(f"{what} {unknown[:5]} of {src} are not in --classes "
+                              f"({len(classes)} names); use the classes of the same dataset")
+    return classes
+
+
 def _check_source(src: Path) -> None:
     if not src.exists():
         raise ConversionError(f"source folder {src} does not exist; pass --src IMAGEFOLDER_ROOT")
@@ -51,13 +63,7 @@ def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str],
         raise ConversionError(f"no class folders in {src}{hint}; expected SRC/<class_name>/<image>")
     if loose:
         _warn(f"ignoring {len(loose)} images directly in {src} (not in a class folder)")
-    if classes is None:
-        classes = folders
-    else:
-        unknown = [f for f in folders if f not in set(classes)]
-        if unknown:
-            raise ConversionError(f"class folder(s) {unknown[:5]} of {src} are not in --classes "
-                                  f"({len(classes)} names); use the classes.json of the same dataset")
+    classes = known_classes(folders, classes, "class folder(s)", src)
     index = {name: i for i, name in enumerate(classes)}
     walk = ImageWalk()   # train_imagenet.images: the one rule for links, shared with the predictor
     walk.claim(src)

@@ -30,7 +30,7 @@ from train_imagenet.data import parquet as data_parquet
 from train_imagenet.data import timm_wds
 
 from . import archives, parquet
-from .folders import _check_source, scan_class_folders, scan_flat
+from .folders import _check_source, known_classes, scan_class_folders, scan_flat
 from train_imagenet.data.labels import read_class_names, read_label_names, read_labels
 from .plan import ConversionError
 
@@ -189,13 +189,7 @@ def list_source(src: Path, split: str, opts: Options, stack: ExitStack) -> Listi
         return Listing(kind, classes, _folder_members(src, items), source)
     if kind == "imagenet-train-tar":
         names, members = archives.class_tar_members(src)
-        if classes is None:
-            classes = names
-        else:
-            unknown = [n for n in names if n not in set(classes)]
-            if unknown:
-                raise ConversionError(f"class tar(s) {unknown[:5]} of {src} are not in --classes "
-                                      f"({len(classes)} names); use the classes of the same dataset")
+        classes = known_classes(names, classes, "class tar(s)", src)
         index = {n: i for i, n in enumerate(classes)}
         return Listing(kind, classes, [(r, index[c], p, s, a) for r, c, p, s, a in members], source)
     if kind == "imagenet-tar":
