@@ -6,7 +6,7 @@
   leads nowhere is refused, so each file is read once, labelled by the class folder it is
   listed in;
 * a flat folder (the ImageNet val layout): ``SRC/<image>``, labelled by a labels file
-  (`train_imagenet.data.labels.read_labels`). The walk and its rule for links are
+  (`sources`). The walk and its rule for links are
   `train_imagenet.images.ImageWalk`, which the predictor uses too.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from train_imagenet.data.labels import read_labels
 from train_imagenet.images import IMAGE_SUFFIXES, FolderError, ImageWalk, is_image_name, refuse
 
 from .plan import ConversionError
@@ -85,14 +84,12 @@ def scan_class_folders(src: Path, classes: list[str] | None) -> tuple[list[str],
     return classes, items
 
 
-def scan_flat(src: Path, labels_file: Path, classes: list[str], offset: int,
-              names: list[str] | None = None) -> list[tuple[Path, str, int]]:
-    """[(file, real path, label)] for the images directly in ``src``, labelled by ``labels_file``."""
+def flat_images(src: Path) -> list[tuple[Path, str]]:
+    """(file, real path) of the images directly in ``src``, sorted by name."""
     _refuse_links(src, [f"{p} -> {os.readlink(p)}: the link's target does not exist"
                         for p in sorted(src.iterdir()) if p.is_symlink() and not p.exists()])
     images = sorted(p for p in src.iterdir() if p.is_file() and is_image_name(p.name))
     if not images:
         raise ConversionError(f"no images found directly in {src} for the flat layout of --labels "
                               f"(looked for {', '.join(IMG_EXTENSIONS)})")
-    labels = read_labels(labels_file, images, classes, offset, names)
-    return [(p, os.path.realpath(p), label) for p, label in zip(images, labels)]
+    return [(p, os.path.realpath(p)) for p in images]

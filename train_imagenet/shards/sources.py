@@ -30,11 +30,10 @@ from train_imagenet.data import parquet as data_parquet
 from train_imagenet.data import timm_wds
 
 from . import archives, parquet
-from .folders import _check_source, known_classes, scan_class_folders, scan_flat
+from .folders import _check_source, flat_images, known_classes, scan_class_folders
 from train_imagenet.data.labels import read_class_names, read_label_names, read_labels
 from .plan import ConversionError
 
-KINDS = ("folders", "flat", "imagenet-train-tar", "imagenet-tar", "timm-wds", "parquet", "torchvision", "kaggle")
 KAGGLE_MAPPING = "LOC_synset_mapping.txt"
 KAGGLE_VAL_LABELS = "LOC_val_solution.csv"
 KAGGLE_IMAGES = Path("ILSVRC") / "Data" / "CLS-LOC"
@@ -91,26 +90,30 @@ def _folder_members(root: Path, items) -> list[tuple]:
             for path, real, label in items]
 
 
-def _labelled(images: list[tuple], opts: Options, classes: list[str] | None, where: Path,
-              stack: ExitStack) -> tuple[list[str], list[int]]:
-    """(classes, labels) of flat images from ``--labels`` or ``--devkit``."""
-    if opts.devkit and opts.labels:
+def _labelled(members: list[tuple], opts: Options, classes: list[str] | None, where: Path,
+              stack: ExitStack, labels: Path | None = None) -> tuple[list[str], list[tuple]]:
+    """(classes, members with their labels) of flat images, from ``--labels`` (or ``labels``,
+    a layout's own file) or ``--devkit``."""
+    labels = Path(opts.labels) if opts.labels else labels
+    if opts.devkit and labels:
         raise ConversionError("pass --devkit or --labels, not both (--devkit reads its "
                               "ILSVRC2012_validation_ground_truth.txt and meta.mat)")
+    images = [PurePosixPath(m[0]) for m in members]
     if opts.devkit:
         truth, meta = stack.enter_context(archives.devkit_labels(Path(opts.devkit)))
         names = read_label_names(meta)
         classes = classes or sorted(names)  # train's order: the sorted WNIDs
-        return classes, read_labels(truth, [PurePosixPath(m[0]) for m in images], classes, 1, names)
-    if not opts.labels:
+        found = read_labels(truth, images, classes, 1, names)
+    elif not labels:
         raise ConversionError(f"{where} holds images without classes: pass --labels FILE (or --devkit "
                               "ILSVRC2012_devkit_t12.tar.gz) and --classes, e.g. the train split's classes.json")
-    if classes is None:
+    elif classes is None:
         raise ConversionError("the flat layout (--labels) needs --classes: pass the classes.json "
                               "written for the train split so both splits share class indices")
-    names = read_label_names(Path(opts.label_names)) if opts.label_names else None
-    return classes, read_labels(Path(opts.labels), [PurePosixPath(m[0]) for m in images], classes,
-                                opts.label_offset, names)
+    else:
+        names = read_label_names(Path(opts.label_names)) if opts.label_names else None
+        found = read_labels(labels, images, classes, opts.label_offset, names)
+    return classes, [(r, y, p, s, a) for (r, _, p, s, a), y in zip(members, found)]
 
 
 def _index_labels(members: list[tuple], classes: list[str] | None, src: Path, hint: str) -> list[str]:
@@ -136,78 +139,70 @@ def _chooser(src: Path, split: str):
     return choose
 
 
-def list_source(src: Path, split: str, opts: Options, stack: ExitStack) -> Listing:
-    """The samples of ``split`` of ``src``, with the class names that index their labels."""
-    kind = source_kind(src, bool(opts.labels or opts.devkit))
-    classes = _classes(opts)
-    source = str(src.resolve())
-    if kind == "torchvision":
-        folder = src / ("train" if split == "train" else "val")
-        if not folder.is_dir():
-            raise ConversionError(f"torchvision's ImageNet root {src} has no {folder.name}/ folder for --split {split}")
-        if classes is None and split != "train" and (src / "train").is_dir():
-            classes = sorted(p.name for p in (src / "train").iterdir() if p.is_dir() and not p.name.startswith("."))
-        classes, items = scan_class_folders(folder, classes)
-        return Listing(kind, classes, _folder_members(folder, items), str(folder.resolve()))
-    if kind == "kaggle":
-        mapping = src / KAGGLE_MAPPING
-        classes = classes or (read_class_names(mapping) if mapping.is_file() else None)
-        if split == "train":
-            folder = src / KAGGLE_IMAGES / "train"
-            _check_source(folder)
-            classes, items = scan_class_folders(folder, classes)
-        elif split == "val":
-            folder = src / KAGGLE_IMAGES / "val"
-            _check_source(folder)
-            if classes is None:
-                raise ConversionError(f"{src} has no {KAGGLE_MAPPING}; pass --classes FILE")
-            labels = Path(opts.labels) if opts.labels else src / KAGGLE_VAL_LABELS
-            items = scan_flat(folder, labels, classes, opts.label_offset)
-        else:
-            raise ConversionError(f"Kaggle's ILSVRC holds labels for train and val only, not --split {split}")
-        return Listing(kind, classes, _folder_members(folder, items), str(folder.resolve()))
-    if kind == "folders":
-        _check_source(src)
-        classes, items = scan_class_folders(src, classes)
-        return Listing(kind, classes, _folder_members(src, items), source)
-    if kind == "flat":
-        _check_source(src)
-        if opts.devkit and opts.labels:
-            raise ConversionError("pass --devkit or --labels, not both (--devkit reads its "
-                                  "ILSVRC2012_validation_ground_truth.txt and meta.mat)")
-        if classes is None and not opts.devkit:
-            raise ConversionError("the flat layout (--labels) needs --classes: pass the classes.json "
-                                  "written for the train split so both splits share class indices")
-        if opts.devkit:
-            truth, meta = stack.enter_context(archives.devkit_labels(Path(opts.devkit)))
-            names = read_label_names(meta)
-            classes = classes or sorted(names)
-            items = scan_flat(src, truth, classes, 1, names)
-        else:
-            names = read_label_names(Path(opts.label_names)) if opts.label_names else None
-            items = scan_flat(src, Path(opts.labels), classes, opts.label_offset, names)
-        return Listing(kind, classes, _folder_members(src, items), source)
-    if kind == "imagenet-train-tar":
-        names, members = archives.class_tar_members(src)
-        classes = known_classes(names, classes, "class tar(s)", src)
-        index = {n: i for i, n in enumerate(classes)}
-        return Listing(kind, classes, [(r, index[c], p, s, a) for r, c, p, s, a in members], source)
-    if kind == "imagenet-tar":
-        members = archives.image_members(src)
-        if not members:
-            raise ConversionError(f"{src} holds no images")
-        classes, labels = _labelled(members, opts, classes, src, stack)
-        return Listing(kind, classes, [(r, y, p, s, a) for (r, _, p, s, a), y in zip(members, labels)], source)
-    if kind == "timm-wds":
-        found = timm_wds.resolve(str(src), "--src", _chooser(src, split))
-        members = archives.wds_members([Path(f) for f in found.shards])
-        if found.num_samples is not None and found.num_samples != len(members):
-            raise ConversionError(f"{src}: _info says {found.split} holds {found.num_samples} samples, "
-                                  f"its shards hold {len(members)}; the download is incomplete or _info "
-                                  "belongs elsewhere")
-        classes = _index_labels(members, classes, src, "for ImageNet-1k: LOC_synset_mapping.txt or the "
-                                                      "classes.json of a converted split")
-        return Listing(kind, classes, members, source)
+# One function a kind: (src, split, --classes or None, options, exit stack) -> Listing
+def _folders(src, split, classes, opts, stack, kind="folders") -> Listing:
+    _check_source(src)
+    classes, items = scan_class_folders(src, classes)
+    return Listing(kind, classes, _folder_members(src, items), str(src.resolve()))
+
+
+def _flat(src, split, classes, opts, stack, kind="flat", labels=None) -> Listing:
+    _check_source(src)
+    members = [(path.name, None, real, os.stat(real).st_size, ()) for path, real in flat_images(src)]
+    classes, members = _labelled(members, opts, classes, src, stack, labels)
+    return Listing(kind, classes, members, str(src.resolve()))
+
+
+def _torchvision(src, split, classes, opts, stack) -> Listing:
+    folder = src / ("train" if split == "train" else "val")
+    if not folder.is_dir():
+        raise ConversionError(f"torchvision's ImageNet root {src} has no {folder.name}/ folder for --split {split}")
+    if classes is None and split != "train" and (src / "train").is_dir():
+        classes = sorted(p.name for p in (src / "train").iterdir() if p.is_dir() and not p.name.startswith("."))
+    return _folders(folder, split, classes, opts, stack, "torchvision")
+
+
+def _kaggle(src, split, classes, opts, stack) -> Listing:
+    mapping = src / KAGGLE_MAPPING
+    classes = classes or (read_class_names(mapping) if mapping.is_file() else None)
+    if split == "train":
+        return _folders(src / KAGGLE_IMAGES / "train", split, classes, opts, stack, "kaggle")
+    if split == "val":
+        if classes is None:
+            raise ConversionError(f"{src} has no {KAGGLE_MAPPING}; pass --classes FILE")
+        return _flat(src / KAGGLE_IMAGES / "val", split, classes, opts, stack, "kaggle", src / KAGGLE_VAL_LABELS)
+    raise ConversionError(f"Kaggle's ILSVRC holds labels for train and val only, not --split {split}")
+
+
+def _class_tars(src, split, classes, opts, stack) -> Listing:
+    names, members = archives.class_tar_members(src)
+    classes = known_classes(names, classes, "class tar(s)", src)
+    index = {n: i for i, n in enumerate(classes)}
+    return Listing("imagenet-train-tar", classes, [(r, index[c], p, s, a) for r, c, p, s, a in members],
+                   str(src.resolve()))
+
+
+def _image_tar(src, split, classes, opts, stack) -> Listing:
+    members = archives.image_members(src)
+    if not members:
+        raise ConversionError(f"{src} holds no images")
+    classes, members = _labelled(members, opts, classes, src, stack)
+    return Listing("imagenet-tar", classes, members, str(src.resolve()))
+
+
+def _timm(src, split, classes, opts, stack) -> Listing:
+    found = timm_wds.resolve(str(src), "--src", _chooser(src, split))
+    members = archives.wds_members([Path(f) for f in found.shards])
+    if found.num_samples is not None and found.num_samples != len(members):
+        raise ConversionError(f"{src}: _info says {found.split} holds {found.num_samples} samples, "
+                              f"its shards hold {len(members)}; the download is incomplete or _info "
+                              "belongs elsewhere")
+    classes = _index_labels(members, classes, src, "for ImageNet-1k: LOC_synset_mapping.txt or the "
+                                                  "classes.json of a converted split")
+    return Listing("timm-wds", classes, members, str(src.resolve()))
+
+
+def _parquet(src, split, classes, opts, stack) -> Listing:
     if src.is_file():
         files, card = [src], data_parquet.card_classes(str(src.parent.parent))
     else:
@@ -215,4 +210,14 @@ def list_source(src: Path, split: str, opts: Options, stack: ExitStack) -> Listi
         files, card = [Path(f) for f in found.shards], found.classes
     members = parquet.parquet_members(files)
     classes = _index_labels(members, classes or card, src, "the dataset card README.md names none")
-    return Listing(kind, classes, members, source)
+    return Listing("parquet", classes, members, str(src.resolve()))
+
+
+READERS = {"folders": _folders, "flat": _flat, "imagenet-train-tar": _class_tars, "imagenet-tar": _image_tar,
+           "timm-wds": _timm, "parquet": _parquet, "torchvision": _torchvision, "kaggle": _kaggle}
+
+
+def list_source(src: Path, split: str, opts: Options, stack: ExitStack) -> Listing:
+    """The samples of ``split`` of ``src``, with the class names that index their labels."""
+    kind = source_kind(src, bool(opts.labels or opts.devkit))
+    return READERS[kind](src, split, _classes(opts), opts, stack)
