@@ -70,7 +70,7 @@ def _positive(text: str) -> int:
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0].split(": ", 1)[1],
+    p = argparse.ArgumentParser(prog=prog, description="Convert an ImageNet copy into WebDataset shards, or verify shards.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES)
     p.add_argument("--src", help="what you have: class folders, a flat folder with --labels, "
                                  "ILSVRC2012_img_train.tar / ILSVRC2012_img_val.tar, timm's WebDataset or "
