@@ -156,7 +156,10 @@ def case_two_conversions(tmp: Path) -> str:
     for extra in sorted((d / "val" / "0").iterdir())[10:]:   # the second source is smaller
         extra.unlink()
     first = subprocess.Popen(code(d / "train"), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(12)  # the first is writing (30 s of it; imports take seconds on a loaded machine)
+    for _ in range(600):  # until the first is writing (30 s of it): its staging folder exists
+        if list(out.glob(".train.tmp-*")) or first.poll() is not None:
+            break
+        time.sleep(0.2)
     second = subprocess.run(code(d / "val"), env=ENV, capture_output=True, text=True, timeout=300)
     out1, err1 = first.communicate(timeout=300)
     m = meta(out, "train")
