@@ -178,6 +178,9 @@ def test_huggingface_parquet_release(tmp_path):
     assert _run("--src", root, "--out", out, "--split", "val") == 0
     _check(out, "train", N_TRAIN, classes=ic.WORDS)  # the card's names
     _check(out, "val", N_VAL, classes=ic.WORDS)
+    one = root / "data" / "validation-00000-of-00001.parquet"  # a file alone: split val from its name
+    assert _run("--src", one, "--out", tmp_path / "one") == 0
+    assert _digests(tmp_path / "one") == {k: v for k, v in _digests(out).items() if k.startswith("val-")}
 
 
 def test_parquet_test_split_is_refused(tmp_path, capsys):
