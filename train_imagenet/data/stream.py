@@ -56,7 +56,7 @@ def parse_cls(value: Any) -> int:
         return value
     raw = value if isinstance(value, bytes) else str(value).encode("utf-8", "replace")
     if not _DIGITS.fullmatch(raw):
-        raise ValueError(f"the label {raw[:20]!r} is not a class index (ASCII digits only)")
+        raise ValueError(f"the label {raw[:20]!r} is not an integer (ASCII digits only)")
     return int(raw)
 
 

@@ -34,7 +34,7 @@ __all__ = ["ShardCheck", "check_shards", "scan_shard", "CACHE_NAME"]
 CACHE_NAME = ".dcvit-shard-check.json"
 FALLBACK_NAME = "shard-check.json"
 _VERSION = 3                         # 3: a label is ASCII digits only
-_DIGITS = re.compile(rb"\s*\d+\s*")
+_DIGITS = re.compile(rb"\s*-?\d+\s*")    # a minus is refused by the range check
 _logger = logging.getLogger(__name__)
 
 
@@ -81,7 +81,7 @@ def scan_shard(path: str, decode: bool = False) -> Dict[str, Any]:
             return
         text = members[key][LABEL_EXTENSION]
         if not _DIGITS.fullmatch(text):   # int() would also take '0_3', '+3', '٣'
-            problems.append(f"sample {key!r} has the label {text[:20]!r}, not a class index "
+            problems.append(f"sample {key!r} has the label {text[:20]!r}, not an integer "
                             f"(ASCII digits only)")
             return
         labels[int(text)] += 1
