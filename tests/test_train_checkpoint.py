@@ -170,3 +170,24 @@ def test_output_dir_made_unwritable_mid_run_is_one_line(data, tmp_path, capsys, 
     monkeypatch.setattr(checkpoint_mod, "atomic_write", real_write)      # writable again: resume
     assert entry.main(args + ["resume=auto"]) == 0
     assert "resumed from" in capsys.readouterr().err
+
+
+def test_timm_train_py_checkpoint_starts_a_run(data, tmp_path, capsys, caplog):
+    """``checkpoint=`` a timm train.py checkpoint: without its args it loads (named as written
+    elsewhere); with them (an argparse.Namespace) it is refused as unsafe, naming the way out."""
+    import argparse
+    import timm
+    from train_helpers import TINY_RUN
+    model = timm.create_model("vit_tiny_patch16_224", num_classes=10, img_size=32, patch_size=8,
+                              depth=1, embed_dim=24, num_heads=2)
+    saved = {"epoch": 4, "arch": "vit_tiny_patch16_224", "state_dict": model.state_dict(),
+             "optimizer": {}, "version": 2}
+    torch.save(saved, tmp_path / "last.pth.tar")
+    args = [f"data.train={data.root}", f"data.val={data.root}", *TINY_RUN, "--eval-only"]
+    with caplog.at_level(logging.WARNING, logger="train_imagenet.checkpoint"):
+        assert entry.main(args + [f"output_dir={tmp_path / 'a'}", f"checkpoint={tmp_path / 'last.pth.tar'}"]) == 0
+    assert "written elsewhere (timm's train.py: arch 'vit_tiny_patch16_224', epoch 4)" in caplog.text
+    torch.save({**saved, "args": argparse.Namespace(model="vit_tiny_patch16_224")}, tmp_path / "args.pth.tar")
+    assert entry.main(args + [f"output_dir={tmp_path / 'b'}", f"checkpoint={tmp_path / 'args.pth.tar'}"]) == 2
+    err = capsys.readouterr().err
+    assert "is not a safe checkpoint" in err and "timm's clean_checkpoint.py writes its weights alone" in err

@@ -193,11 +193,13 @@ def load_error(path: str, e: Exception, what: str = "checkpoint") -> CheckpointE
     if isinstance(e, pickle.UnpicklingError):
         found = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:\n\n|$)", str(e), re.S)
         reason = f" ({found.group(1).strip()})" if found else ""
+        timm = ("; a checkpoint of timm's train.py holds its argparse.Namespace: timm's "
+                "clean_checkpoint.py writes its weights alone" if "argparse.Namespace" in str(e) else "")
         return CheckpointError(
             f"{name} is not a safe checkpoint: it is a pickle holding more than tensors "
             f"and plain values{reason}, and such a file is never unpickled (it could run code). "
             f"Use a checkpoint of this package, a .safetensors file (dcvit.save_weights) or a "
-            f"torch.save'd state dict of tensors")
+            f"torch.save'd state dict of tensors{timm}")
     return CheckpointError(f"{name} cannot be read: it is truncated or damaged "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})")
 
