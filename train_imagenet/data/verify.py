@@ -13,7 +13,6 @@ beside the shards in ``.dcvit-shard-check.json`` (hidden, so never taken for a s
 modification time, so a restarted run checks only what changed; where the shard folder is
 read-only the cache goes to the run directory instead (``shard-check.json``).
 """
-import io
 import json
 import logging
 import os
@@ -50,12 +49,13 @@ class ShardCheck:
 
 
 def _decodes(data: bytes) -> Optional[str]:
-    from PIL import Image
+    """None if the image decodes as the loader decodes it (`train_imagenet.images.open_image`),
+    else why not."""
+    from ..images import ImageError, open_image
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-    except Exception as e:  # PIL raises many types for broken files
-        return f"{type(e).__name__}: {e}"
+        open_image(data)
+    except ImageError as e:
+        return str(e)
     return None
 
 
