@@ -322,13 +322,9 @@ def _apply(obj: Any, key: str, value: Any) -> None:
     setattr(target, name, _coerce(key, value, hints[name]))
 
 
-class _DuplicateKey(yaml.YAMLError):
-    """A key given twice in one YAML mapping (the message names it and both places)."""
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, but a key given twice in one mapping is an error instead of the
-    last one silently winning (keys brought in by a ``<<`` merge may still be overridden)."""
+    """PyYAML's safe loader, but a key given twice in one mapping is a ConfigError instead of
+    the last one silently winning (keys brought in by a ``<<`` merge may be overridden)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Dict[Any, Any]:
         first: Dict[Any, yaml.Node] = {}
@@ -336,23 +332,21 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
             key = self.construct_object(key_node, deep=True)
-            try:
-                earlier = first.setdefault(key, key_node)
-            except TypeError:         # an unhashable key: PyYAML's own error follows
-                continue
-            if earlier is not key_node:
-                a, b = earlier.start_mark, key_node.start_mark
+            if not isinstance(key, typing.Hashable):
+                continue              # PyYAML's own error follows
+            a, b = first.setdefault(key, key_node).start_mark, key_node.start_mark
+            if a is not b:
                 where = (f"line {a.line + 1} and line {b.line + 1}" if a.line != b.line else
                          f"line {a.line + 1}, columns {a.column + 1} and {b.column + 1}")
-                raise _DuplicateKey(f"key {key!r} is given twice in one mapping ({where}); the second "
-                                    f"would replace the first: keep one")
+                raise ConfigError(f"key {key!r} is given twice in one mapping ({where}); the second "
+                                  f"would replace the first: keep one")
         return super().construct_mapping(node, deep=deep)
 
 
 def _parse_yaml(text: str, where: str) -> Any:
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)
-    except _DuplicateKey as e:
+    except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None

@@ -98,18 +98,27 @@ def open_image(src: Source, name: Optional[str] = None, max_pixels: Optional[int
                              f"limit (max_pixels, train_imagenet.images.MAX_PIXELS)", name)
         try:
             im.load()
-            return to_rgb(ImageOps.exif_transpose(im), background)
+            return to_rgb(_upright(im), background)
         except ImageError as e:
             raise ImageError(e.reason, name) from None
         except Exception as e:        # truncated data, broken EXIF, unsupported conversion ...
             raise ImageError(f"cannot be decoded ({type(e).__name__}: {e})", name) from e
 
 
+def _upright(im: Image.Image) -> Image.Image:
+    """``im`` turned as its EXIF orientation says (in place where Pillow can: no copy)."""
+    try:
+        ImageOps.exif_transpose(im, in_place=True)
+        return im
+    except TypeError:                 # Pillow < 9.4: no in_place
+        return ImageOps.exif_transpose(im)
+
+
 def to_rgb(im: Image.Image, background: Tuple[int, int, int] = BACKGROUND) -> Image.Image:
-    """A decoded image in 8-bit RGB, as it shows (module docstring); raises `ImageError`
-    (without the file's name) for pixels no picture of its mode holds."""
+    """A new image in 8-bit RGB of the decoded ``im``, as it shows (module docstring); raises
+    `ImageError` (without the file's name) for pixels no picture of its mode holds."""
     mode = im.mode
-    if mode == "RGB":
+    if mode == "RGB":                 # a copy, as convert("RGB") makes: ``im`` may be closed
         return im.copy() if "transparency" not in im.info else _composite(im, background)
     if mode.startswith("I"):          # I, I;16, I;16B, I;16L, I;16N, I;16S, I;32 ...
         return _grey_to_rgb(_scaled(np.asarray(im).astype(np.float64), 65535.0, mode))
@@ -137,7 +146,7 @@ def _float_scaled(pixels: np.ndarray) -> np.ndarray:
 
 
 def _grey_to_rgb(grey: np.ndarray) -> Image.Image:
-    return Image.fromarray(np.repeat(grey[:, :, None], 3, axis=2), "RGB")
+    return Image.fromarray(np.ascontiguousarray(np.repeat(grey[:, :, None], 3, axis=2)))   # (H, W, 3) uint8
 
 
 def _composite(im: Image.Image, background: Tuple[int, int, int]) -> Image.Image:

@@ -13,8 +13,12 @@ the config saved in it, timm's ``create_transform``); for a folder, the ``pretra
 its ``config.json`` (timm's ``resolve_model_data_config``).
 
 The images are a folder (every file with an image extension, sub-folders included, in path
-order) or a WebDataset shard set (a ``.tar``, a brace pattern, or a directory of ``.tar``
-files; samples as ``scripts/make_wds_shards.py`` writes them, their label kept in the output).
+order, walked by the converter's rule, `train_imagenet.images.image_files`: linked
+sub-folders are read, a link that would read a file twice or leads nowhere is refused) or a
+WebDataset shard set (a ``.tar``, a brace pattern, or a directory of ``.tar`` files; samples
+as ``scripts/make_wds_shards.py`` writes them, their label kept in the output). Each image is
+decoded by `train_imagenet.images.open_image`: the 8-bit RGB picture it shows (16-bit and
+float images scaled, transparency on white, EXIF orientation applied, a pixel limit).
 
 Class names, first found: ``--classes FILE`` (a JSON list, one name per class, e.g. a shard
 set's ``classes.json``); the ``classes.json`` beside the shards the checkpoint was trained on
@@ -29,7 +33,8 @@ images, class names that do not match the model and a corrupt image under ``fail
 status 2 and a message naming the fix; nothing is written then.
 
 CSV: one row per image, ``image`` (its path relative to the folder, or ``SHARD/KEY``),
-``label`` (shards only), then ``class_i``, ``name_i``, ``prob_i`` for i = 1..k. JSON:
+``label`` (shards only), then ``class_i``, ``name_i``, ``prob_i`` for i = 1..k, in UTF-8 (a
+file name whose bytes are not UTF-8 has them as ``\\xNN``, `csv_name`, and stderr notes it). JSON:
 ``{"checkpoint", "classes" (the file the names came from, or null), "top_k", "skipped",
 "predictions": [{"image", "label"?, "top": [{"class", "name", "prob"}, ...]}, ...]}``.
 Probabilities are the softmax of the logits. ``--device auto`` runs on CUDA when available.

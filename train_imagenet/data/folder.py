@@ -19,6 +19,7 @@ from timm.data.distributed_sampler import RepeatAugSampler
 
 from dcvit.schema import IMAGE_EXTENSIONS
 
+from ..images import ImageError, open_image
 from .source import DataError, Source
 
 __all__ = ["FolderDataset", "count", "dataset", "flat_source", "keys", "files", "class_names"]
@@ -115,9 +116,8 @@ class FolderDataset(Dataset):
 
     def _open(self, path: str) -> Optional[Image.Image]:
         try:
-            with Image.open(path) as im:
-                return im.convert("RGB")
-        except Exception as e:  # PIL raises many types for broken files
+            return open_image(path)
+        except ImageError as e:
             if self.on_corrupt == "fail":
                 raise DataError(f"corrupt image {path!r}: {e} (set data.on_corrupt=skip)") from e
             return None

@@ -101,5 +101,5 @@ def check_overlap(train: Source, val: Source, train_spec: str, val_spec: str) ->
     if same:
         raise DataError(f"data.train={train_spec!r} ({train.split}) and data.val={val_spec!r} "
                         f"({val.split}) hold {len(same)} of the same samples (keys "
-                        f"({_examples(same)}): the validation metric would be measured on "
+                        f"{_examples(same)}): the validation metric would be measured on "
                         f"training data; {fix}")

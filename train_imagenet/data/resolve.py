@@ -96,6 +96,8 @@ def resolve_source(spec: str, key: str, split: str = "", labels: str = "", kind:
         raise DataError(f"{key} is empty; set {key}=DIR (shards, timm's WebDataset or Parquet "
                         f"folder, an ImageFolder; docs/data.md) or "
                         f"{key}=DIR/train-{{000000..000009}}.tar")
+    if split:
+        _refuse_foreign(role, split, key, f"{key}_split={split}")
     if not os.path.isdir(spec):
         if kind and kind != "shards":
             raise DataError(f"{key}={spec!r} is not a directory; data.kind={kind} reads a folder")
@@ -118,6 +120,9 @@ def resolve_source(spec: str, key: str, split: str = "", labels: str = "", kind:
                             f"{chosen!r}; set {key}_split to one of them")
         return Source("folder", root=os.path.join(spec, chosen), layout="torchvision",
                       split=chosen)
+    if split and found in ("flat", "imagefolder"):
+        raise DataError(f"{key}={spec!r} ({_KIND_NAMES[found]}) holds one split, not {split!r} "
+                        f"of several; leave {key}_split unset")
     if found == "flat":
         from .folder import flat_source
         if not labels:   # counted as images; build_data asks for the labels file

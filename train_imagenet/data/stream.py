@@ -34,18 +34,17 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 import webdataset as wds
-from webdataset.autodecode import imagehandler
 from PIL import Image
 from torch.utils.data import IterableDataset
 
 from dcvit.schema import IMAGE_EXTENSIONS, LABEL_EXTENSION
 
+from ..images import open_image
 from .loader import seeded
 from .source import DataError
 
 __all__ = ["SampleStream", "decode", "parse_cls", "positions"]
 
-_IMAGE = imagehandler("pilrgb", extensions=IMAGE_EXTENSIONS)  # webdataset's PIL decoder, to RGB
 _DIGITS = re.compile(rb"\s*\d+\s*")
 
 
@@ -56,7 +55,7 @@ def parse_cls(value: Any) -> int:
         return value
     raw = value if isinstance(value, bytes) else str(value).encode("utf-8", "replace")
     if not _DIGITS.fullmatch(raw):
-        raise ValueError(f"the label {raw[:20]!r} is not a class index (ASCII digits only)")
+        raise ValueError(f"the label {raw[:20]!r} is not an integer (ASCII digits only)")
     return int(raw)
 
 
@@ -67,7 +66,7 @@ def decode(sample: Dict[str, Any]) -> Tuple[Image.Image, int]:
     if LABEL_EXTENSION not in sample:
         raise ValueError(f"no .{LABEL_EXTENSION} member in sample")
     label = parse_cls(sample[LABEL_EXTENSION])
-    return _IMAGE(ext, sample[ext]), label
+    return open_image(sample[ext], name=f"{sample.get('__key__')}.{ext}"), label
 
 
 def _repeated(samples: Iterable[Dict[str, Any]], times: int) -> Iterator[Dict[str, Any]]:

@@ -13,7 +13,6 @@ beside the shards in ``.dcvit-shard-check.json`` (hidden, so never taken for a s
 modification time, so a restarted run checks only what changed; where the shard folder is
 read-only the cache goes to the run directory instead (``shard-check.json``).
 """
-import io
 import json
 import logging
 import os
@@ -34,7 +33,7 @@ __all__ = ["ShardCheck", "check_shards", "scan_shard", "CACHE_NAME"]
 CACHE_NAME = ".dcvit-shard-check.json"
 FALLBACK_NAME = "shard-check.json"
 _VERSION = 3                         # 3: a label is ASCII digits only
-_DIGITS = re.compile(rb"\s*\d+\s*")
+_DIGITS = re.compile(rb"\s*-?\d+\s*")    # a minus is refused by the range check
 _logger = logging.getLogger(__name__)
 
 
@@ -50,12 +49,13 @@ class ShardCheck:
 
 
 def _decodes(data: bytes) -> Optional[str]:
-    from PIL import Image
+    """None if the image decodes as the loader decodes it (`train_imagenet.images.open_image`),
+    else why not."""
+    from ..images import ImageError, open_image
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-    except Exception as e:  # PIL raises many types for broken files
-        return f"{type(e).__name__}: {e}"
+        open_image(data)
+    except ImageError as e:
+        return str(e)
     return None
 
 
@@ -81,7 +81,7 @@ def scan_shard(path: str, decode: bool = False) -> Dict[str, Any]:
             return
         text = members[key][LABEL_EXTENSION]
         if not _DIGITS.fullmatch(text):   # int() would also take '0_3', '+3', '٣'
-            problems.append(f"sample {key!r} has the label {text[:20]!r}, not a class index "
+            problems.append(f"sample {key!r} has the label {text[:20]!r}, not an integer "
                             f"(ASCII digits only)")
             return
         labels[int(text)] += 1
