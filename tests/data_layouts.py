@@ -1,7 +1,7 @@
 """Tiny exact copies of the ImageNet layouts people have (real file names, metadata and
 members; 4 classes, 32 train and 12 val images, one CMYK JPEG and one PNG named as a JPEG):
 timm's WebDataset release, the Hugging Face Parquet release, a torchvision-prepared root,
-Kaggle's CLS-LOC folders with ``LOC_val_solution.csv``.
+Kaggle's CLS-LOC folders with ``LOC_val_solution.csv``, image-net.org's archives and devkit.
 
 Every image is one solid colour that says which sample it is: red = 5 x its index in its
 split, green = 60 x its label, blue = 128 (`identify` reads them back from a batch), so a
@@ -173,6 +173,50 @@ def kaggle(root: str) -> Layout:
         f.write("".join(f"{w} {n}\n" for w, n in zip(WNIDS, NAMES)))
     return Layout(root, TRAIN_LABELS, VAL_LABELS, (f"data.val_labels={solution}",),
                   train=os.path.join(base, "train"), val=os.path.join(base, "val"))
+
+
+def _tar_bytes(members: List[Tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in members:
+            _add(tar, name, data)
+    return buf.getvalue()
+
+
+DEVKIT_ORDER = [2, 0, 3, 1]  # ILSVRC2012_ID 1..4 name WNIDS[2], WNIDS[0], ...: not the sorted order
+
+
+def imagenet_org(root: str) -> Layout:
+    """image-net.org's downloads: ILSVRC2012_img_train.tar (a tar of <wnid>.tar, each a flat
+    tar of that class's JPEGs), ILSVRC2012_img_val.tar (flat), and the devkit both as
+    ILSVRC2012_devkit_t12/ and ILSVRC2012_devkit_t12.tar.gz: data/meta.mat (written by
+    scipy; the leaf synsets in ILSVRC2012_ID order, two parents) and
+    data/ILSVRC2012_validation_ground_truth.txt (1-based ids in the devkit's order)."""
+    from scipy.io import savemat
+    os.makedirs(root, exist_ok=True)
+    per_class: Dict[int, List[Tuple[str, bytes]]] = {}
+    for i, label in enumerate(TRAIN_LABELS):
+        per_class.setdefault(label, []).append((f"{train_key(i)}.JPEG", _image("train", i, label)))
+    with open(os.path.join(root, "ILSVRC2012_img_train.tar"), "wb") as f:
+        f.write(_tar_bytes([(f"{WNIDS[c]}.tar", _tar_bytes(per_class[c])) for c in sorted(per_class, reverse=True)]))
+    with open(os.path.join(root, "ILSVRC2012_img_val.tar"), "wb") as f:
+        f.write(_tar_bytes([(f"{val_key(i)}.JPEG", _image("val", i, label)) for i, label in enumerate(VAL_LABELS)]))
+    kit = os.path.join(root, "ILSVRC2012_devkit_t12")
+    os.makedirs(os.path.join(kit, "data"), exist_ok=True)
+    fields = ["ILSVRC2012_ID", "WNID", "words", "gloss", "num_children", "children", "wordnet_height",
+              "num_train_images"]
+    rows = [(i + 1, WNIDS[c], NAMES[c], "a fish", 0, np.zeros((0,)), 0, TRAIN_LABELS.count(c))
+            for i, c in enumerate(DEVKIT_ORDER)]
+    rows += [(5, "n02512053", "fish", "parent", 2, np.array([1, 2]), 1, 0),
+             (6, "n01473806", "aquatic vertebrate", "parent", 1, np.array([5]), 2, 0)]
+    savemat(os.path.join(kit, "data", "meta.mat"),
+            {"synsets": np.array(rows, dtype=[(f, "O") for f in fields]).reshape(-1, 1)})
+    with open(os.path.join(kit, "data", "ILSVRC2012_validation_ground_truth.txt"), "w") as f:
+        f.write("".join(f"{DEVKIT_ORDER.index(label) + 1}\n" for label in VAL_LABELS))
+    with tarfile.open(kit + ".tar.gz", "w:gz") as tar:
+        tar.add(kit, arcname=os.path.basename(kit))
+    return Layout(os.path.join(root, "ILSVRC2012_img_train.tar"), TRAIN_LABELS, VAL_LABELS,
+                  val=os.path.join(root, "ILSVRC2012_img_val.tar"))
 
 
 LAYOUTS = {"timm-wds": timm_wds, "parquet": hf_parquet, "torchvision": torchvision_root,

@@ -1,6 +1,7 @@
-"""dcvit-shards on every ImageNet source (tests/imagenet_copies.py): each sample read back
-from the shards is its source's bytes, under the class the source gives it; the archives are
-read without extraction; the missing optional packages and bad non-UTF-8 names."""
+"""dcvit-shards on every ImageNet source (the tiny exact copies of tests/data_layouts.py): each
+sample read back from the shards is its source's bytes, under the class the source gives it;
+the archives are read without extraction; the docs' commands; the missing optional packages;
+odd file names."""
 import gzip
 import hashlib
 import json
@@ -15,11 +16,8 @@ from pathlib import Path
 import pytest
 import webdataset as wds
 
-import imagenet_copies as ic
+import data_layouts as L
 from train_imagenet.shards import cli, plan
-
-COPY = ic.make_copy()
-TRUTH = COPY.label_of()
 
 
 def _run(*argv) -> int:
@@ -36,11 +34,18 @@ def _read_back(out: Path, split: str) -> list[tuple[str, bytes, int]]:
     return got
 
 
-def _check(out: Path, split: str, n: int, classes=ic.WNIDS) -> list:
-    """Every sample of ``split`` is one source image, once, labelled with its class."""
-    got = _read_back(out, split)
-    assert len(got) == n and len({data for _, data, _ in got}) == n
-    assert [TRUTH[data] for _, data, _ in got] == [label for _, _, label in got]
+def _check(out: Path, split: str, classes=L.WNIDS) -> list:
+    """Every sample of ``split`` is one source image, once, byte for byte, labelled with its
+    class (an image's colour says which sample it is and its class: data_layouts)."""
+    truth = L.TRAIN_LABELS if split == "train" else L.VAL_LABELS
+    got, seen = _read_back(out, split), []
+    for key, data, label in got:
+        red, green = (int(v) for v in L.as_array(data)[0, 0, :2])
+        index = round(red / 5)
+        assert label == truth[index] == round(green / 60), key
+        assert data == L._image(split, index, label), key
+        seen.append(index)
+    assert sorted(seen) == list(range(len(truth)))
     assert json.loads((out / "classes.json").read_text()) == list(classes)
     return got
 
@@ -49,55 +54,63 @@ def _digests(out: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("*.tar"))}
 
 
-N_TRAIN, N_VAL = len(ic.WNIDS) * ic.TRAIN_PER_CLASS, len(COPY.val)
+def _kaggle(tmp_path: Path) -> tuple[Path, Path]:
+    """(Kaggle's root, its CLS-LOC folder): the image-net.org archives extracted, plus LOC files."""
+    root = tmp_path / "kaggle"
+    L.kaggle(str(root))
+    return root, root / "ILSVRC" / "Data" / "CLS-LOC"
 
 
 # ----------------------------------------------------------------------------- image-net.org
 def test_train_archive_is_read_in_place_and_equals_the_extracted_folder(tmp_path):
-    tar = ic.train_tar(COPY, tmp_path / "dl")
+    L.imagenet_org(str(tmp_path / "dl"))
+    tar = tmp_path / "dl" / "ILSVRC2012_img_train.tar"
+    before = sorted(p.name for p in (tmp_path / "dl").iterdir())
     assert _run("--src", tar, "--out", tmp_path / "a", "--shard-size", 10) == 0
-    got = _check(tmp_path / "a", "train", N_TRAIN)
-    assert {k for k, _, _ in got} == {f"{w}__{Path(n).stem}" for w, fs in COPY.train.items() for n, _ in fs}
-    assert sorted(p.name for p in (tmp_path / "dl").iterdir()) == ["ILSVRC2012_img_train.tar"]  # nothing extracted
-    folder = ic.train_folder(COPY, tmp_path / "train")
-    assert _run("--src", folder, "--out", tmp_path / "b", "--shard-size", 10) == 0
+    got = _check(tmp_path / "a", "train")
+    assert {k for k, _, _ in got} == {f"{L.WNIDS[y]}__{L.train_key(i)}" for i, y in enumerate(L.TRAIN_LABELS)}
+    assert sorted(p.name for p in (tmp_path / "dl").iterdir()) == before  # nothing extracted
+    _, images = _kaggle(tmp_path)  # the same images as folders
+    assert _run("--src", images / "train", "--out", tmp_path / "b", "--shard-size", 10) == 0
     assert _digests(tmp_path / "a") == _digests(tmp_path / "b")  # the same shards, byte for byte
 
 
-@pytest.mark.parametrize("as_tar_gz", [False, True])
-def test_val_archive_with_the_devkit(tmp_path, as_tar_gz):
-    tar = ic.val_tar(COPY, tmp_path / "dl")
-    kit = ic.devkit(COPY, tmp_path / "dl", as_tar_gz=as_tar_gz)
+@pytest.mark.parametrize("kit", ["ILSVRC2012_devkit_t12", "ILSVRC2012_devkit_t12.tar.gz"])
+def test_val_archive_with_the_devkit(tmp_path, kit):
+    dl = tmp_path / "dl"
+    L.imagenet_org(str(dl))
     out = tmp_path / "out"
-    assert _run("--src", ic.train_tar(COPY, tmp_path / "dl"), "--out", out) == 0
-    assert _run("--src", tar, "--out", out, "--devkit", kit, "--verify") == 0  # split val from the name
-    got = _check(out, "val", N_VAL)
-    assert [k for k, _, _ in got] == [Path(n).stem for n, _, _ in COPY.val]  # val stays in file order
+    assert _run("--src", dl / "ILSVRC2012_img_train.tar", "--out", out) == 0
+    assert _run("--src", dl / "ILSVRC2012_img_val.tar", "--out", out, "--devkit", dl / kit, "--verify") == 0
+    got = _check(out, "val")  # the split from the archive's name
+    assert [k for k, _, _ in got] == [L.val_key(i) for i in range(L.N_VAL)]  # val stays in file order
 
 
 def test_val_archive_with_a_labels_file_and_loc_synset_mapping(tmp_path):
-    root = ic.kaggle(COPY, tmp_path / "kaggle")
+    L.imagenet_org(str(tmp_path / "dl"))
+    root, _ = _kaggle(tmp_path)
     out = tmp_path / "out"
-    assert _run("--src", ic.val_tar(COPY, tmp_path / "dl"), "--out", out, "--labels",
+    assert _run("--src", tmp_path / "dl" / "ILSVRC2012_img_val.tar", "--out", out, "--labels",
                 root / "LOC_val_solution.csv", "--classes", root / "LOC_synset_mapping.txt") == 0
-    _check(out, "val", N_VAL)
+    _check(out, "val")
 
 
 def test_flat_val_folder_with_the_devkit(tmp_path):
-    flat = ic.val_flat(COPY, tmp_path / "val")
-    kit = ic.devkit(COPY, tmp_path)
+    L.imagenet_org(str(tmp_path / "dl"))
+    _, images = _kaggle(tmp_path)
     out = tmp_path / "out"
-    assert _run("--src", flat, "--out", out, "--devkit", kit) == 0
-    _check(out, "val", N_VAL)
+    assert _run("--src", images / "val", "--out", out, "--devkit", tmp_path / "dl" / "ILSVRC2012_devkit_t12") == 0
+    _check(out, "val")
 
 
 def test_archive_errors_name_the_file_and_the_fix(tmp_path, capsys):
-    tar = ic.val_tar(COPY, tmp_path)
+    L.imagenet_org(str(tmp_path / "dl"))
+    tar = tmp_path / "dl" / "ILSVRC2012_img_val.tar"
     assert _run("--src", tar, "--out", tmp_path / "o") == 2
     assert "pass --labels FILE (or --devkit" in capsys.readouterr().err
     cut = tmp_path / "cut" / "ILSVRC2012_img_train.tar"
     cut.parent.mkdir()
-    cut.write_bytes(ic.train_tar(COPY, tmp_path / "full").read_bytes()[:3000])
+    cut.write_bytes((tmp_path / "dl" / "ILSVRC2012_img_train.tar").read_bytes()[:3000])
     assert _run("--src", cut, "--out", tmp_path / "o") == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and str(cut) in err and "Traceback" not in err
@@ -110,62 +123,61 @@ def test_archive_errors_name_the_file_and_the_fix(tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- Kaggle, torchvision
-@pytest.mark.parametrize("build", [ic.kaggle, ic.torchvision_root], ids=["kaggle", "torchvision"])
+@pytest.mark.parametrize("build", [L.kaggle, L.torchvision_root], ids=["kaggle", "torchvision"])
 def test_a_root_of_both_splits_gives_each(tmp_path, build):
-    root, out = build(COPY, tmp_path / "root"), tmp_path / "out"
+    root, out = tmp_path / "root", tmp_path / "out"
+    build(str(root))
     assert _run("--src", root, "--out", out, "--split", "train") == 0
     assert _run("--src", root, "--out", out, "--split", "val") == 0
-    _check(out, "train", N_TRAIN)
-    _check(out, "val", N_VAL)
+    _check(out, "train")
+    _check(out, "val")
 
 
 def test_kaggle_folders_with_loc_files(tmp_path):
-    root, out = ic.kaggle(COPY, tmp_path / "kaggle"), tmp_path / "out"
-    images, mapping = root / "ILSVRC" / "Data" / "CLS-LOC", root / "LOC_synset_mapping.txt"
+    (root, images), out = _kaggle(tmp_path), tmp_path / "out"
+    mapping = root / "LOC_synset_mapping.txt"
     assert _run("--src", images / "train", "--out", out, "--classes", mapping) == 0
     assert _run("--src", images / "val", "--out", out, "--labels", root / "LOC_val_solution.csv",
                 "--classes", mapping) == 0
-    _check(out, "train", N_TRAIN)
-    _check(out, "val", N_VAL)
+    _check(out, "train")
+    _check(out, "val")
 
 
 # ----------------------------------------------------------------------------- timm, Hugging Face
 @pytest.mark.parametrize("info", ["json", "yaml", "none"])
 def test_timm_webdataset_release(tmp_path, info):
-    root = ic.timm_wds(COPY, tmp_path / "imagenet-1k-wds")
-    if info != "json":
-        (root / "_info.json").unlink()
-    if info == "none":
-        (root / "_info.yaml").unlink()
-    out, mapping = tmp_path / "out", ic.kaggle(COPY, tmp_path / "k") / "LOC_synset_mapping.txt"
+    root, out = tmp_path / "imagenet-1k-wds", tmp_path / "out"
+    L.timm_wds(str(root), info)
+    mapping = _kaggle(tmp_path)[0] / "LOC_synset_mapping.txt"
     assert _run("--src", root, "--out", out, "--split", "train", "--classes", mapping) == 0
     assert _run("--src", root, "--out", out, "--split", "val", "--classes", mapping) == 0
-    _check(out, "train", N_TRAIN)
-    got = _check(out, "val", N_VAL)
-    assert [k for k, _, _ in got] == [Path(n).stem for n, _, _ in COPY.val]
+    _check(out, "train")
+    got = _check(out, "val")
+    assert [k for k, _, _ in got] == [L.val_key(i) for i in range(L.N_VAL)]
 
 
 def test_timm_release_without_class_names_or_with_a_short_download(tmp_path, capsys):
-    root = ic.timm_wds(COPY, tmp_path / "wds")
+    root = tmp_path / "wds"
+    L.timm_wds(str(root))
     assert _run("--src", root, "--out", tmp_path / "o") == 2
     assert "pass --classes FILE (for ImageNet-1k: LOC_synset_mapping.txt" in capsys.readouterr().err
     assert _run("--src", root, "--out", tmp_path / "o", "--split", "test") == 2
     assert "holds the splits ['train', 'validation'], not test; pass --split" in capsys.readouterr().err
     (root / "imagenet1k-train-0001.tar").unlink()
     assert _run("--src", root, "--out", tmp_path / "o", "--classes", tmp_path / "x") == 2
-    err = capsys.readouterr().err
-    assert "cannot read class names file" in err
-    (tmp_path / "c.json").write_text(json.dumps(ic.WNIDS))
+    assert "cannot read class names file" in capsys.readouterr().err
+    (tmp_path / "c.json").write_text(json.dumps(L.WNIDS))
     assert _run("--src", root, "--out", tmp_path / "o", "--classes", tmp_path / "c.json") == 2
     assert "train shards its _info lists are missing" in capsys.readouterr().err
 
 
 def test_verify_never_takes_timms_info_for_a_split(tmp_path, capsys):
-    root = ic.timm_wds(COPY, tmp_path / "imagenet-1k-wds")
+    root = tmp_path / "imagenet-1k-wds"
+    L.timm_wds(str(root))
     assert _run("--verify", root) == 2
     err = capsys.readouterr().err
     assert "this is timm's WebDataset release" in err and "_info" not in err.split("release")[0]
-    out, mapping = tmp_path / "out", ic.kaggle(COPY, tmp_path / "k") / "LOC_synset_mapping.txt"
+    out, mapping = tmp_path / "out", _kaggle(tmp_path)[0] / "LOC_synset_mapping.txt"
     assert _run("--src", root, "--out", out, "--split", "val", "--classes", mapping) == 0
     shutil.copy(root / "_info.json", out)  # beside our shards it is still no split
     assert _run("--verify", out) == 0
@@ -173,18 +185,20 @@ def test_verify_never_takes_timms_info_for_a_split(tmp_path, capsys):
 
 
 def test_huggingface_parquet_release(tmp_path):
-    root, out = ic.parquet(COPY, tmp_path / "imagenet-1k"), tmp_path / "out"
+    root, out = tmp_path / "imagenet-1k", tmp_path / "out"
+    L.hf_parquet(str(root))
     assert _run("--src", root, "--out", out, "--split", "train", "--shard-size", 7) == 0
     assert _run("--src", root, "--out", out, "--split", "val") == 0
-    _check(out, "train", N_TRAIN, classes=ic.WORDS)  # the card's names
-    _check(out, "val", N_VAL, classes=ic.WORDS)
+    _check(out, "train", classes=L.NAMES)  # the dataset card's names
+    _check(out, "val", classes=L.NAMES)
     one = root / "data" / "validation-00000-of-00001.parquet"  # a file alone: split val from its name
     assert _run("--src", one, "--out", tmp_path / "one") == 0
     assert _digests(tmp_path / "one") == {k: v for k, v in _digests(out).items() if k.startswith("val-")}
 
 
 def test_parquet_test_split_is_refused(tmp_path, capsys):
-    root = ic.parquet(COPY, tmp_path / "imagenet-1k")
+    root = tmp_path / "imagenet-1k"
+    L.hf_parquet(str(root))
     assert _run("--src", root, "--out", tmp_path / "o", "--split", "test") == 2
     err = capsys.readouterr().err
     assert "every label of test is -1" in err and not (tmp_path / "o").exists()
@@ -199,23 +213,24 @@ def _one_error_line(capsys) -> str:
 
 
 def test_devkit_without_scipy_says_which_extra(tmp_path, capsys, monkeypatch):
-    tar, kit = ic.val_tar(COPY, tmp_path), ic.devkit(COPY, tmp_path)
+    L.imagenet_org(str(tmp_path))
     monkeypatch.setitem(sys.modules, "scipy", None)  # import scipy.io fails as when not installed
     monkeypatch.setitem(sys.modules, "scipy.io", None)
-    assert _run("--src", tar, "--out", tmp_path / "o", "--devkit", kit) == 2
+    assert _run("--src", tmp_path / "ILSVRC2012_img_val.tar", "--out", tmp_path / "o",
+                "--devkit", tmp_path / "ILSVRC2012_devkit_t12") == 2
     assert "pip install 'dcvit[devkit]'" in _one_error_line(capsys)
 
 
 def test_parquet_without_pyarrow_says_which_extra(tmp_path, capsys, monkeypatch):
-    root = ic.parquet(COPY, tmp_path / "imagenet-1k")
+    L.hf_parquet(str(tmp_path / "imagenet-1k"))
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    assert _run("--src", root, "--out", tmp_path / "o") == 2
+    assert _run("--src", tmp_path / "imagenet-1k", "--out", tmp_path / "o") == 2
     assert "pip install 'dcvit[parquet]'" in _one_error_line(capsys)
 
 
 def test_console_script_is_installed_and_the_wrapper_is_the_same_command(tmp_path):
-    src = ic.train_folder(COPY, tmp_path / "train")
+    src = _kaggle(tmp_path)[1] / "train"
     exe = Path(sys.executable).with_name("dcvit-shards")
     script = Path(__file__).resolve().parents[1] / "scripts" / "make_wds_shards.py"
     for name, command in (("a", [str(exe)]), ("b", [sys.executable, str(script)])):
@@ -236,14 +251,14 @@ def test_keys_of_long_non_utf8_names_are_unique_and_valid():
 
 
 def test_a_non_utf8_file_name_longer_than_90_bytes_converts(tmp_path):
-    src = ic.train_folder(COPY, tmp_path / "train")
-    odd = src / os.fsdecode(ic.WNIDS[0].encode() + b"/" + b"\xff" * 120 + b".JPEG")
-    shutil.copy(src / ic.WNIDS[1] / COPY.train[ic.WNIDS[1]][0][0], odd)  # another image's bytes
+    src = _kaggle(tmp_path)[1] / "train"
+    odd = src / os.fsdecode(L.WNIDS[0].encode() + b"/" + b"\xff" * 120 + b".JPEG")
+    shutil.copy(next((src / L.WNIDS[1]).iterdir()), odd)  # another image's bytes
     out = tmp_path / "out"
     assert _run("--src", src, "--out", out, "--verify") == 0
     got = {key: label for key, _, label in _read_back(out, "train")}
-    assert len(got) == N_TRAIN + 1
-    (odd_key,) = [k for k in got if k.startswith(ic.WNIDS[0] + "____")]
+    assert len(got) == L.N_TRAIN + 1
+    (odd_key,) = [k for k in got if k.startswith(L.WNIDS[0] + "____")]
     assert got[odd_key] == 0 and len(odd_key) <= plan.MAX_KEY_CHARS
     with tarfile.open(next(out.glob("train-*.tar"))) as tar:
         assert all(len(m.name) <= 100 for m in tar.getmembers())
@@ -267,16 +282,13 @@ def _doc_blocks() -> list[list[list[str]]]:
 def data_root(tmp_path_factory) -> Path:
     """The copies under the names the docs use (``/data/...``)."""
     data = tmp_path_factory.mktemp("root") / "data"
-    ic.train_folder(COPY, data / "imagenet" / "train")
-    ic.val_flat(COPY, data / "imagenet" / "val")
-    ic.train_tar(COPY, data)
-    ic.val_tar(COPY, data)
-    ic.devkit(COPY, data, as_tar_gz=True)
-    ic.kaggle(COPY, data / "kaggle")
+    L.imagenet_org(str(data))
+    L.kaggle(str(data / "kaggle"))
+    shutil.copytree(data / "kaggle" / "ILSVRC" / "Data" / "CLS-LOC", data / "imagenet")
     shutil.copy(data / "kaggle" / "LOC_val_solution.csv", data / "imagenet")
-    ic.timm_wds(COPY, data / "imagenet-1k-wds")
-    ic.parquet(COPY, data / "imagenet-1k")
-    ic.torchvision_root(COPY, data / "torchvision-imagenet")
+    L.timm_wds(str(data / "imagenet-1k-wds"))
+    L.hf_parquet(str(data / "imagenet-1k"))
+    L.torchvision_root(str(data / "torchvision-imagenet"))
     return data
 
 
@@ -289,6 +301,6 @@ def test_every_converting_command_of_the_docs_runs(block, data_root, tmp_path):
         args = [a.replace("/data/imagenet-wds", str(out)).replace("/data/", f"{data_root}/") for a in argv[1:]]
         assert cli.main([*args, "--no-progress", "--workers", "1"]) == 0, argv
     classes = json.loads((out / "classes.json").read_text())
-    assert classes in (ic.WNIDS, ic.WORDS)
-    _check(out, "train", N_TRAIN, classes)
-    _check(out, "val", N_VAL, classes)
+    assert classes in (L.WNIDS, L.NAMES)
+    _check(out, "train", classes)
+    _check(out, "val", classes)
