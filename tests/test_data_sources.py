@@ -201,3 +201,32 @@ def test_flat_folder_takes_every_labels_format(tmp_path, fmt):
     cfg = load_config(None, [f"data.train={layout.train}", f"data.val={layout.val}",
                              f"data.val_labels={path}", *extra, *COMMON])
     assert _visits(build_data(cfg, "val"), L.VAL_LABELS) == collections.Counter(range(L.N_VAL))
+
+
+@pytest.mark.slow
+def test_resume_mid_epoch_is_exact_on_each_source(layout, tmp_path):
+    """A run restarted from a mid-epoch checkpoint ends with the weights of the uninterrupted
+    run, on every kind of source (augmentation on: the order and the random draws replay)."""
+    import shutil
+    import torch
+    from train_imagenet.__main__ import main
+    from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
+
+    def run(out, *extra):
+        return main([f"data.train={layout.train or layout.root}", f"data.val={layout.val or layout.root}",
+                     *layout.args, f"output_dir={out}", *TINY_RUN, "data.num_classes=4", "epochs=2",
+                     "batch_size=4", "save_every_steps=3", "keep_checkpoints=20", "aug.mixup=0.8",
+                     "aug.cutmix=1.0", *extra])
+    full = tmp_path / "full"
+    assert run(full) == 0
+    mid = [p for p in list_checkpoints(str(full)) if 0 < load_checkpoint(p)["batch"]]
+    assert mid, "expected a mid-epoch checkpoint"
+    resumed = tmp_path / "resumed"
+    os.makedirs(resumed)
+    shutil.copy(mid[-1], resumed)
+    assert run(resumed, "resume=auto") == 0
+    a = load_checkpoint(list_checkpoints(str(full))[-1])
+    b = load_checkpoint(list_checkpoints(str(resumed))[-1])
+    assert a["update"] == b["update"] == 16
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k

@@ -166,10 +166,9 @@ def dataset(source: Source, transform: Callable, cfg: Any, training: bool, rank:
 
 
 def keys(source: Source) -> List[str]:
-    """The ``image.path`` of every row (the original file names)."""
+    """The ``image.path`` of every row (the original file names; only that field is read)."""
     pq = _pq()
     out: List[str] = []
     for path in source.shards:
-        table = pq.read_table(path, columns=["image"])
-        out += [(r or {}).get("path") or "" for r in table.column("image").to_pylist()]
+        out += pq.read_table(path, columns=["image.path"]).column(0).to_pylist()
     return [k for k in out if k]
