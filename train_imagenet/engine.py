@@ -1,7 +1,8 @@
 """The epoch loop (DeiT's engine.py, on timm's parts): `Step`, one micro-batch as a function
 of (model, batch, loop state) returning the state; `train_one_epoch`, a plain loop over the
 epoch's batches with the loss checks, progress and `on_update` (checkpointing) between
-updates; and `evaluate`."""
+updates; and `evaluate`. After every update the ranks agree whether a stop signal came
+(`preemption.agreed`); if one did, the epoch ends there with `Preempted`."""
 import math
 import resource
 import sys
@@ -18,6 +19,7 @@ from .checkpoint import CheckpointError, restore_rng
 from .data import DataError, DataPipe
 from .distributed import all_reduce_mean, waiting_for
 from .metrics import EvalMetrics
+from .preemption import Preempted, agreed, shielded
 
 __all__ = ["NonFiniteLoss", "StepOptions", "EpochTotals", "LoopState", "Step", "train_one_epoch",
            "evaluate", "autocast", "peak_memory_mb"]
@@ -158,7 +160,7 @@ def _batches(pipe: DataPipe, epoch: int, start_batch: int,
     `rng_state`, so the batches and the steps' randomness continue where the run stopped."""
     if start_batch == 0 and rng_state is not None:
         restore_rng(rng_state)
-    for i, batch in enumerate(pipe.loader(epoch)):
+    for i, batch in enumerate(shielded(pipe.loader(epoch))):
         if i >= pipe.batches_per_epoch:
             return
         if i < start_batch:
@@ -182,7 +184,8 @@ def _check_losses(state: LoopState, log_every: int) -> List[float]:
                 f"{state.batch - 1} after {state.in_window - j - 1} more updates, checked every "
                 f"log_every={log_every}); stopping without saving. Lower optim.lr, enable "
                 f"optim.clip_grad, or use amp=bf16 instead of fp16")
-    state.totals.loss_sum += sum(values)
+    for value in values:            # one at a time: the sum is the same however it is checked
+        state.totals.loss_sum += value
     state.totals.loss_n += len(values)
     state.in_window = 0
     return values
@@ -268,12 +271,16 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
         if state.update == before:
             continue
         progress.advance(opts.accum_steps)
-        if state.in_window == opts.log_every or state.batch == total or \
+        stop = agreed(epoch, state.update) and state.batch < total   # a stop signal, mid-epoch
+        if state.in_window == opts.log_every or state.batch == total or stop or \
                 (opts.save_every and state.update % opts.save_every == 0):
             progress.show(state, _check_losses(state, opts.log_every), optimizer.param_groups[0]["lr"])
+        state.totals.time_s = time_before + time.perf_counter() - t0
         if on_update is not None:
-            state.totals.time_s = time_before + time.perf_counter() - t0
             on_update(epoch, state.batch, state.update, state.totals)
+        if stop:
+            progress.close()
+            raise Preempted(epoch, state.batch, state.update, state.totals)
     if state.in_window:  # the loader ended early: check what is left
         progress.show(state, _check_losses(state, opts.log_every), optimizer.param_groups[0]["lr"])
     progress.close()
@@ -290,10 +297,12 @@ def train_one_epoch(model: torch.nn.Module, pipe: DataPipe, epoch: int, *,
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, pipe: DataPipe, num_classes: int, device: torch.device,
              amp: str = "none") -> Dict[str, float]:
-    """Top-1/top-5 (percent), mean loss and sample count over every rank's share of `pipe`."""
+    """Top-1/top-5 (percent), mean loss, sample count and corrupt samples skipped over every
+    rank's share of `pipe`."""
     model.eval()
     metrics = EvalMetrics(num_classes, device)
-    for x, y, _ in pipe.loader(0):
+    for x, y, n_skipped in shielded(pipe.loader(0)):
+        metrics.skipped(int(n_skipped))
         if y.numel() == 0:
             continue
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)

@@ -4,7 +4,9 @@ logs and the results. ``--eval-only``: the results of one checkpoint.
 
 No record is lost across a restart: a mid-epoch checkpoint carries the epoch's running sums,
 and an epoch's checkpoint carries the epoch's train record, which a run resumed from it
-evaluates (when due) and logs if the interrupted run did not get to."""
+evaluates (when due) and logs if the interrupted run did not get to. A stop signal
+(`preemption`) ends the run after the update in progress with a checkpoint: mid-epoch, or the
+epoch's own (its evaluation then left to the resumed run)."""
 import os
 import sys
 from typing import Any, Dict, Optional, Tuple
@@ -19,8 +21,9 @@ from .distributed import DistInfo, all_gather_object, broadcast_object, log_main
 from .engine import (EpochTotals, NonFiniteLoss, StepOptions, evaluate, peak_memory_mb,
                      train_one_epoch)
 from .logs import RunLog
+from .preemption import Preempted, agreed
 from .recipe import build_recipe
-from .results import evaluate_both, write_epoch_results, write_results
+from .results import evaluate_both, report_skipped, write_epoch_results, write_results
 from .start import arch_of, load_start_weights, position_of, start_training
 
 __all__ = ["train", "evaluate_checkpoint", "write_config"]
@@ -93,11 +96,13 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
             raise result
         return result
 
+    saved = {"update": -1, "path": ""}       # the newest mid-epoch checkpoint
+
     def on_update(epoch_: int, batch_done: int, update_: int, totals: EpochTotals) -> None:
         """The mid-epoch checkpoints (the epoch's last update is saved with its record)."""
         if cfg.save_every_steps and update_ % cfg.save_every_steps == 0 \
                 and batch_done < train_data.batches_per_epoch:
-            save(epoch_, batch_done, update_, totals)
+            saved.update(update=update_, path=save(epoch_, batch_done, update_, totals))
 
     write_config(cfg, info)
     runlog = RunLog(run_dir, info.is_main, cfg.tensorboard)
@@ -147,6 +152,10 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
                 scheduler=recipe.scheduler, loss_fn=recipe.loss_fn, device=device, opts=opts,
                 update=update, start_batch=start_batch, rng_state=rng_state, mixup=recipe.mixup,
                 ema=ema, scaler=recipe.scaler, totals=totals, on_update=on_update)
+        except Preempted as p:   # mid-epoch: its checkpoint, unless one was just saved there
+            p.path = saved["path"] if saved["update"] == p.update else \
+                save(p.epoch, p.batch, p.update, p.totals)
+            raise
         except NonFiniteLoss as e:
             if not info.is_main:
                 raise NonFiniteLoss(f"{e}. Rank 0 names the last good checkpoint") from e
@@ -162,7 +171,11 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
             log_main(info, f"epoch {epoch}: skipped {total_skipped} corrupt samples")
         # saved before evaluating, with the record: a stop during evaluation loses nothing
         last_path = save(epoch + 1, 0, update, record=record) or last_path
+        if agreed(epoch, update):      # its record is in the checkpoint: the resume logs it
+            raise Preempted(epoch + 1, 0, update, path=last_path)
         results = finish_epoch(record, last_path) or results
+        if epoch + 1 < cfg.epochs and agreed(epoch, update):   # a signal during evaluation
+            raise Preempted(epoch + 1, 0, update, path=last_path)
     if results is None and start.resumed_from and epoch >= cfg.epochs:
         # resumed from the final checkpoint, its record logged but eval.json not written
         waiting_for(f"the final evaluation of {start.resumed_from}")
@@ -183,6 +196,7 @@ def evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info
     write_config(cfg, info)
     waiting_for(f"the evaluation of {path}")
     metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
+    report_skipped(cfg, metrics)
     ema_metrics = None
     log_main(info, f"{path}: top1 {metrics['top1']:.2f} top5 {metrics['top5']:.2f} "
                    f"on {metrics['num_samples']} samples")

@@ -1,7 +1,7 @@
 """Trainer faults found by trying to break a run as a user or a cluster would: a resume into
 a run with other data or batches, a stopped rank, unreadable checkpoint files, a full disk,
 numbers out of range, and records lost across a restart. Each ends in a clear refusal
-before any work, or is handled with nothing lost (tests/fault_cases_trainer.md)."""
+before any work, or is handled with nothing lost (docs/training_fault_cases.md)."""
 import csv
 import errno
 import json
