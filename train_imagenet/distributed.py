@@ -186,8 +186,9 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def any_rank(flag: bool) -> bool:
-    """Whether `flag` is true on any rank: one all-reduce of one integer on the host (gloo)."""
-    if not dist.is_initialized():
+    """Whether `flag` is true on any rank: one all-reduce of one integer on the host (gloo, so
+    it never waits for a GPU), none when this process is alone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return flag
     t = torch.tensor([int(flag)], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group["host_group"])
