@@ -25,7 +25,7 @@ from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from train_imagenet.data import DataError
 from train_imagenet.distributed import timeout_message, waiting_for
-from train_imagenet.engine import StepOptions, train_one_epoch
+from train_imagenet.engine import EpochState, Loop, train_one_epoch
 from train_helpers import TINY_RUN, kill_torchrun, torchrun_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,9 +175,8 @@ def test_an_epoch_with_no_update_is_an_error(start_batch, yielded, error, messag
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = Namespace(step_update=lambda u: None)
     with pytest.raises(error, match=message):
-        train_one_epoch(model, _Pipe(3, yielded), 0, optimizer=opt, scheduler=sched,
-                        loss_fn=torch.nn.functional.cross_entropy, device=torch.device("cpu"),
-                        opts=StepOptions(), update=0, start_batch=start_batch)
+        train_one_epoch(Loop(model, opt, sched, torch.nn.functional.cross_entropy,
+                             torch.device("cpu")), _Pipe(3, yielded), EpochState(0, 0, start_batch))
 
 
 # ------------------------------------------------------------------ a rank that stops answering

@@ -64,14 +64,14 @@ def _signal_at(sig):
 
 def test_sigusr1_mid_epoch_saves_there_and_resumes_identically(data, full, tmp_path, capsys,
                                                                monkeypatch):
-    real = engine_mod.Step.__call__
+    real = engine_mod.train_step
 
-    def step(self, model, batch, state):
-        state = real(self, model, batch, state)
+    def step(loop, batch, state):
+        state = real(loop, batch, state)
         if state.update == 15 and state.batch == 3:          # epoch 1, batch 3
             _signal_at(signal.SIGUSR1)
         return state
-    monkeypatch.setattr(engine_mod.Step, "__call__", step)
+    monkeypatch.setattr(engine_mod, "train_step", step)
     out = tmp_path / "out"
     assert _run(data, out) == EXIT_PREEMPTED
     newest = list_checkpoints(str(out))[-1]
@@ -83,7 +83,7 @@ def test_sigusr1_mid_epoch_saves_there_and_resumes_identically(data, full, tmp_p
     assert newest in lines[0] and "exit code 75" in lines[0]
     assert [r["epoch"] for r in _records(out)] == [0]
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL     # the handlers are put back
-    monkeypatch.setattr(engine_mod.Step, "__call__", real)
+    monkeypatch.setattr(engine_mod, "train_step", real)
     assert _run(data, out) == 0
     _same_run(full, out)
 

@@ -12,13 +12,13 @@ and the run's config.yaml is written only once they all passed.
 import argparse
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from dcvit.io import atomic_write
 
-from .checkpoint import CheckpointError, list_checkpoints, load_latest, seed_all
+from .checkpoint import CheckpointError, list_checkpoints, seed_all
 from .config import Config, ConfigError, load_config
 from .data import DataError, build_data, count_samples, is_remote, resolve_source
 from .distributed import (DistInfo, broadcast_object, init_distributed, log_main,
@@ -29,6 +29,7 @@ from .finetune import conversion_to_apply
 from .model import build_model, input_norm
 from .recipe import check_recipe
 from .run_lock import RunDirError, RunLock, prepare_run_dir
+from .start import checkpoint_to_start
 from .trainer import evaluate_checkpoint, train
 
 __all__ = ["main", "run"]
@@ -71,15 +72,6 @@ def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
         f"check of data.{split} (its shards and labels)")
 
 
-def _latest_checkpoint(run_dir: str, info: DistInfo) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
-    """The newest checkpoint in `run_dir` that verifies, picked on rank 0 (damaged newer ones
-    are set aside with a warning) and broadcast, so every rank loads the same file even if
-    their views of the disk differ; (path, its content) on rank 0, (path, None) elsewhere."""
-    waiting_for("rank 0's choice of the checkpoint to resume from")
-    path, state = load_latest(run_dir) if info.is_main else (None, None)
-    return broadcast_object(path), state
-
-
 def run(cfg: Config) -> int:
     check_recipe(cfg)
     if cfg.threads:
@@ -99,13 +91,7 @@ def run(cfg: Config) -> int:
         # The checkpoint this run loads (picked once; a damaged newest one is set aside) decides
         # whether it converts (a converted run's checkpoint converts again) and whether the
         # pretrained file is read (not when resuming/evaluating).
-        if cfg.eval_only:
-            start, state = (cfg.checkpoint, None) if cfg.checkpoint else \
-                _latest_checkpoint(cfg.output_dir, info)
-        elif cfg.resume == "auto":
-            start, state = _latest_checkpoint(cfg.output_dir, info)
-        else:
-            start, state = cfg.resume, None
+        start, state = checkpoint_to_start(cfg, info)
         resuming = cfg.eval_only or bool(start)
         conversion_to_apply(cfg, start or cfg.checkpoint, lambda msg: log_main(info, msg))
         seed_all(cfg.seed)  # the same initial weights on every rank and world size
