@@ -200,6 +200,48 @@ def test_collective_timeout_exits_4_with_one_line(data, tmp_path, capsys, monkey
     assert "gradient all-reduce of epoch 0, update 7" in err[0] and "Traceback" not in err[0]
 
 
+def _ended_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_lost_peer_message_names_the_lost_rank(monkeypatch):
+    """Rank 1's process on this host has ended: rank 0's line names it by its pid; a rank on
+    another host is named as the one on another host."""
+    import socket
+    import train_imagenet.distributed as dist_mod
+    here = socket.gethostname()
+    monkeypatch.setitem(dist_mod._group, "peers", [(here, os.getpid()), (here, _ended_pid())])
+    waiting_for("the gradient all-reduce of epoch 2, update 31")
+    error = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40123: "
+                         "Connection reset by peer")
+    line = timeout_message(error, 5) or dist_mod.lost_peer_message(error)
+    assert line.startswith("rank 0 lost rank 1 (pid ") and "in the gradient all-reduce of " \
+        "epoch 2, update 31 (process ended)" in line
+    monkeypatch.setitem(dist_mod._group, "peers", [(here, os.getpid()), ("node-gone.invalid", 4242)])
+    line = dist_mod.lost_peer_message(error)
+    assert "lost rank 1 (pid 4242 on node-gone.invalid)" in line and "on another host" in line
+    assert dist_mod.lost_peer_message(RuntimeError("size mismatch")) is None
+
+
+def test_lost_peer_exits_4_with_one_line(data, tmp_path, capsys, monkeypatch):
+    import socket
+    import train_imagenet.distributed as dist_mod
+    monkeypatch.setitem(dist_mod._group, "peers",
+                        [(socket.gethostname(), os.getpid()), (socket.gethostname(), _ended_pid())])
+
+    def lost(cfg):
+        waiting_for("the loss check of epoch 0 at update 5")
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:5000")
+    monkeypatch.setattr(entry_mod, "run", lost)
+    assert _run(data, tmp_path / "out") == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: rank 0 lost rank 1 (pid "), err
+    assert "the loss check of epoch 0 at update 5" in err[0]
+    assert err[0].endswith("No checkpoint was saved yet: run the job again")
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_stopped_rank_ends_the_run_within_dist_timeout(data, tmp_path):

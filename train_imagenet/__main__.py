@@ -179,10 +179,11 @@ def _main(argv: Optional[List[str]] = None) -> int:
         if (timeout or lost) is None or args.debug:
             raise
         kept = list_checkpoints(cfg.output_dir) if cfg else []
-        last = kept[-1] if kept else "none yet"
-        print(f"error: {timeout}; the last checkpoint is {last}" if timeout else
-              f"error: {lost}. Resume from {last}: run the job again with resume=auto",
-              file=sys.stderr, flush=True)
+        last = kept[-1] if kept else ""
+        resume = f"Resume from {last}: run the job again with resume=auto" if last else \
+            "No checkpoint was saved yet: run the job again"
+        print(f"error: {timeout}; the last checkpoint is {last or 'none yet'}" if timeout else
+              f"error: {lost}. {resume}", file=sys.stderr, flush=True)
         return 4
     shutdown()
     return code
