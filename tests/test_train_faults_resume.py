@@ -4,7 +4,6 @@ numbers out of range, and records lost across a restart. Each ends in a clear re
 before any work, or is handled with nothing lost (docs/training_fault_cases.md)."""
 import csv
 import errno
-import json
 import math
 import os
 import pickle
@@ -26,7 +25,7 @@ from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_ch
 from train_imagenet.data import DataError
 from train_imagenet.distributed import timeout_message, waiting_for
 from train_imagenet.engine import EpochState, Loop, train_one_epoch
-from train_helpers import TINY_RUN, kill_torchrun, torchrun_workers
+from train_helpers import TINY_RUN, kill_torchrun, read_records, torchrun_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [*TINY_RUN, "sched.min_lr=1e-5", "epochs=2", "aug.mixup=0", "aug.cutmix=0"]
@@ -48,9 +47,7 @@ def _run(data, out, *extra, train=None):
                  f"output_dir={out}", *TINY, *extra])
 
 
-def _records(run_dir):
-    with open(os.path.join(run_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
+_records = read_records
 
 
 @pytest.fixture(scope="module")

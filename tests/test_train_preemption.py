@@ -3,7 +3,6 @@ and exit code 75, mid-epoch, during an evaluation or during a save; the resumed 
 bit-identical to an uninterrupted one, with every epoch logged once. One process here; the
 torchrun cases (signals to the launcher and to one rank, a lost node) are in
 test_train_distributed.py."""
-import json
 import os
 import signal
 
@@ -16,7 +15,7 @@ import train_imagenet.trainer as trainer_mod
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.preemption import EXIT_PREEMPTED
-from train_helpers import TINY_RUN
+from train_helpers import TINY_RUN, read_records as _records
 
 TINY = [*TINY_RUN, "epochs=2", "aug.mixup=0", "aug.cutmix=0", "drop_path=0.1"]
 KEYS = ("train_loss", "lr", "top1", "top5", "val_loss", "corrupt_skipped")
@@ -30,11 +29,6 @@ def data(digits_shards):
 def _run(data, out, *extra):
     return main([f"data.train={data.root}", f"data.val={data.root}", f"output_dir={out}",
                  *TINY, "resume=auto", *extra])
-
-
-def _records(run_dir):
-    with open(os.path.join(run_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +82,19 @@ def test_sigusr1_mid_epoch_saves_there_and_resumes_identically(data, full, tmp_p
     _same_run(full, out)
 
 
-def test_sigterm_during_evaluation_ends_with_the_epochs_checkpoint(data, full, tmp_path, monkeypatch):
-    real = results_mod.evaluate
+def _signal_before(monkeypatch, module, name):
+    """`module.name` sends this process SIGTERM before it runs; returns the real one."""
+    real = getattr(module, name)
 
-    def evaluate(*args, **kwargs):
+    def signalled(*args, **kwargs):
         _signal_at(signal.SIGTERM)
         return real(*args, **kwargs)
-    monkeypatch.setattr(results_mod, "evaluate", evaluate)
+    monkeypatch.setattr(module, name, signalled)
+    return real
+
+
+def test_sigterm_during_evaluation_ends_with_the_epochs_checkpoint(data, full, tmp_path, monkeypatch):
+    real = _signal_before(monkeypatch, results_mod, "evaluate")
     out = tmp_path / "out"
     assert _run(data, out) == EXIT_PREEMPTED
     assert list_checkpoints(str(out))[-1].endswith("ckpt-e0001-u00000012.pth")
@@ -105,12 +105,7 @@ def test_sigterm_during_evaluation_ends_with_the_epochs_checkpoint(data, full, t
 
 
 def test_sigterm_during_a_save_ends_with_that_checkpoint(data, full, tmp_path, monkeypatch):
-    real = trainer_mod.save_checkpoint
-
-    def save(*args, **kwargs):
-        _signal_at(signal.SIGTERM)
-        return real(*args, **kwargs)
-    monkeypatch.setattr(trainer_mod, "save_checkpoint", save)
+    real = _signal_before(monkeypatch, trainer_mod, "save_checkpoint")
     out = tmp_path / "out"
     assert _run(data, out) == EXIT_PREEMPTED
     assert list_checkpoints(str(out))[-1].endswith("ckpt-e0001-u00000012.pth")
