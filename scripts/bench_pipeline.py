@@ -143,7 +143,7 @@ def main() -> None:
     from train_imagenet.model import build_model
     from train_imagenet.config import load_config
     from train_imagenet.data import build_data
-    from train_imagenet.engine import StepOptions, train_one_epoch
+    from train_imagenet.engine import EpochState, Loop, train_one_epoch
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
 
@@ -171,8 +171,8 @@ def main() -> None:
         return n_img / (time.perf_counter() - t)
 
     def pipeline(epoch: int) -> float:
-        stats = train_one_epoch(model, pipe, epoch, optimizer=opt, scheduler=sched, loss_fn=loss_fn,
-                                device=torch.device("cpu"), opts=StepOptions(), update=0)
+        stats = train_one_epoch(Loop(model, opt, sched, loss_fn, torch.device("cpu")), pipe,
+                                EpochState(epoch, 0))
         return stats["img_per_s"]
 
     def data_only(epoch: int) -> float:

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-import train_imagenet.__main__ as entry
+import train_imagenet.start as start_mod
 from train_imagenet.checkpoint import (CheckpointError, content_digest, list_checkpoints,
                                        load_checkpoint, load_latest, save_checkpoint)
+from train_imagenet.config import load_config
 from train_imagenet.distributed import DistInfo
 
 
@@ -67,14 +68,15 @@ def test_load_latest_falls_back_past_damaged_checkpoints(tmp_path, caplog):
 def test_resume_pick_is_made_on_rank_0_and_broadcast(tmp_path, monkeypatch):
     newest = _save(tmp_path, 1, 8)
     sent = []
-    monkeypatch.setattr(entry, "broadcast_object", lambda obj: sent.append(obj) or "FROM-RANK-0")
-    path, state = entry._latest_checkpoint(str(tmp_path), DistInfo(rank=0, world_size=2))
+    monkeypatch.setattr(start_mod, "broadcast_object", lambda obj: sent.append(obj) or "FROM-RANK-0")
+    cfg = load_config(None, ["resume=auto", f"output_dir={tmp_path}"])
+    path, state = start_mod.checkpoint_to_start(cfg, DistInfo(rank=0, world_size=2))
     assert path == "FROM-RANK-0" and state["update"] == 8 and sent == [newest]
 
     def no_listing(run_dir, set_aside=True):
         raise AssertionError("a rank other than 0 listed the run directory")
-    monkeypatch.setattr(entry, "load_latest", no_listing)
-    assert entry._latest_checkpoint(str(tmp_path), DistInfo(rank=1, world_size=2)) == ("FROM-RANK-0", None)
+    monkeypatch.setattr(start_mod, "load_latest", no_listing)
+    assert start_mod.checkpoint_to_start(cfg, DistInfo(rank=1, world_size=2)) == ("FROM-RANK-0", None)
     assert sent == [newest, None]
 
 

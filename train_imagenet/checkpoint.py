@@ -179,7 +179,7 @@ def list_checkpoints(run_dir: str) -> List[str]:
     """Checkpoints in `run_dir`, oldest first (by epoch, then update count: a run resumed at
     an epoch boundary with fewer updates per epoch counts on from a lower update)."""
     found = [(int(m.group(1)), int(m.group(2)), p)
-             for p in glob.glob(os.path.join(run_dir, "ckpt-*.pth"))
+             for p in glob.glob(os.path.join(glob.escape(run_dir), "ckpt-*.pth"))
              if (m := _NAME.search(os.path.basename(p)))]
     return [p for _, _, p in sorted(found)]
 
