@@ -1,18 +1,20 @@
 """The Triton core against the reference core in one DCMHA layer at DCViT-S/16 and B/16 shapes.
 
 For each model a DCMHA layer of its width and head count (S/16: 384 wide, 6 heads; B/16:
-768, 12; head dim 64) runs a forward and a backward under bf16 autocast twice: once on the
-Triton core (``dcvit.fused.attention_impl("triton")``) and once on the ``reference`` core
-in float64, the formula of docs/spec.md §1.1. The figure per tensor (output, input
-gradient, every parameter's gradient) is the largest error relative to that tensor's
-largest reference value; bf16 passes at 3e-2, the tolerance of the core's own self-check.
-One block size per kernel (``DCVIT_TRITON_AUTOTUNE=0``), so each model costs three
-compilations (forward, query-side and key-side backward).
+768, 12; head dim 64) runs a forward and a backward three times: under bf16 autocast on the
+Triton core (``dcvit.fused.attention_impl("triton")``), under bf16 autocast on the
+``reference`` core (the formula of docs/spec.md §1.1 in PyTorch ops), and in float64 on the
+reference core. Per tensor (output, input gradient, every parameter's gradient) the error
+is the largest difference from float64 relative to that tensor's largest value. The bf16
+layer rounds its dense layers too, so the Triton core passes when its error is at most
+`FACTOR` times the bf16 reference core's, or under `FLOOR`, in every tensor. One block size
+per kernel (``DCVIT_TRITON_AUTOTUNE=0``): each model costs three compilations (forward,
+query-side and key-side backward).
 
     python scripts/gpu_check_kernels.py --json kernels.json             # on CUDA: 197 tokens
     TRITON_INTERPRET=1 python scripts/gpu_check_kernels.py --tokens 5    # on CPU (interpreter)
 
-Exit status 1 when a model's error is over the tolerance or its Triton run raised.
+Exit status 1 when a model fails or its Triton run raised.
 """
 import argparse
 import json
@@ -26,7 +28,7 @@ os.environ.setdefault("DCVIT_TRITON_AUTOTUNE", "0")
 import torch  # noqa: E402
 
 SHAPES = {"S/16": (384, 6), "B/16": (768, 12)}   # width, heads (head dim 64)
-TOLERANCE = 3e-2
+FACTOR, FLOOR = 2.0, 1e-2
 
 
 def _run(layer: torch.nn.Module, x: torch.Tensor, impl: str, dtype: Optional[torch.dtype]):
@@ -42,7 +44,8 @@ def _run(layer: torch.nn.Module, x: torch.Tensor, impl: str, dtype: Optional[tor
 
 
 def check(label: str, device: torch.device, batch: int, tokens: int) -> Dict:
-    """One model's layer: the largest relative error over every tensor, and the Triton run's seconds."""
+    """One model's layer: per tensor the Triton core's and the bf16 reference core's error,
+    the tensor where the Triton core is worst against the reference core, and its first run's seconds."""
     import dcvit
     width, heads = SHAPES[label]
     torch.manual_seed(0)
@@ -56,17 +59,22 @@ def check(label: str, device: torch.device, batch: int, tokens: int) -> Dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    plain = _run(layer, x, "reference", torch.bfloat16)
     want = _run(layer.double(), x.double(), "reference", None)
     names = ["output", "input grad"] + [f"grad {n}" for n, _ in layer.named_parameters()]
-    errors = {}
-    for name, a, b in zip(names, got, want):
+    errors, reference = {}, {}
+    for name, a, r, b in zip(names, got, plain, want):
         if a is None or b is None:
             continue
-        errors[name] = ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
-    worst = max(errors, key=errors.get)
+        scale = b.abs().max().clamp_min(1e-12)
+        errors[name] = ((a.double() - b).abs().max() / scale).item()
+        reference[name] = ((r.double() - b).abs().max() / scale).item()
+    ratio = {n: e / max(reference[n], FLOOR / FACTOR) for n, e in errors.items()}
+    worst = max(ratio, key=ratio.get)
     return dict(width=width, heads=heads, head_dim=width // heads, batch=batch, tokens=tokens,
-                dtype="bf16 autocast", errors=errors, worst=worst, max_error=errors[worst],
-                tolerance=TOLERANCE, passed=errors[worst] <= TOLERANCE, first_run_s=seconds)
+                dtype="bf16 autocast", errors=errors, reference_errors=reference, worst=worst,
+                max_error=errors[worst], reference_error=reference[worst], factor=FACTOR, floor=FLOOR,
+                passed=errors[worst] <= max(FACTOR * reference[worst], FLOOR), first_run_s=seconds)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -85,8 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except Exception as e:  # noqa: BLE001  (a compile error is a result: record it, go on)
             result["models"][label] = dict(passed=False, error=f"{type(e).__name__}: {str(e)[:500]}")
         r = result["models"][label]
-        print(f"{label}: " + (f"max error {r['max_error']:.2e} ({r['worst']}) vs {TOLERANCE:.0e}, "
-                              f"first run {r['first_run_s']:.1f} s" if "error" not in r else r["error"])
+        print(f"{label}: " + (f"error {r['max_error']:.2e} against the bf16 reference core's "
+                              f"{r['reference_error']:.2e} ({r['worst']}), first run {r['first_run_s']:.1f} s"
+                              if "error" not in r else r["error"])
               + f" -> {'pass' if r['passed'] else 'FAIL'}", flush=True)
     result["passed"] = all(r["passed"] for r in result["models"].values())
     if a.json:

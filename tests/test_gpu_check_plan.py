@@ -53,6 +53,15 @@ def test_a_larger_budget_plans_every_step_and_a_small_one_only_the_first(planner
     assert sum(r["planned_s"] for r in few if r["fits"]) <= 150 - planner.RESERVE
 
 
+def test_the_shards_are_planned_only_with_the_training_run_they_are_for(planner, step_ms):
+    rows = planner.plan(5000, dry=False, step_ms=step_ms)
+    before = sum(r["planned_s"] for r in rows[:rows.index(next(r for r in rows if r["step"] == "synthetic_shards"))])
+    cost = {r["step"]: r["planned_s"] for r in rows}
+    budget = before + cost["synthetic_shards"] + cost["train_smoke_eager"] / 2 + planner.RESERVE
+    fits = {r["step"]: r["fits"] for r in planner.plan(budget, dry=False, step_ms=step_ms)}
+    assert fits["loop_overhead"] and not fits["synthetic_shards"] and not fits["train_smoke_eager"]
+
+
 def test_dry_plan_at_120_s_skips_the_compiled_steps(planner):
     rows = {r["step"]: r for r in planner.plan(120, dry=True)}
     assert sum(r["planned_s"] for r in rows.values() if r["fits"]) <= 120 - planner.RESERVE
