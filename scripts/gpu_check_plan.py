@@ -238,29 +238,29 @@ def _smoke_s(compiled: bool) -> Callable:
 STEPS = (
     # the automatic core runs the Triton kernels' one-time check (3 compilations per head count)
     Step("environment", "versions, GPU, the automatic core per model, the estimate",
-         lambda ms: START + 15 + 2 * 3 * TRITON_COMPILE, 25, _environment),
+         lambda ms: START + 15 + 2 * 3 * TRITON_COMPILE, 15, _environment),
     Step("kernels", "Triton core vs the float64 reference, S/16 and B/16 layers, bf16",
-         lambda ms: START + 2 * 3 * TRITON_COMPILE, 30, _kernels),
+         lambda ms: START + 2 * 3 * TRITON_COMPILE, 20, _kernels),
     Step("kernel_times", "Triton kernels and SDPA timed next to the roofline estimate",
-         lambda ms: START + 15 + 2 * TRITON_COMPILE + 8 * 0.3, 15, _kernel_times),
+         lambda ms: START + 15 + 2 * TRITON_COMPILE + 8 * 0.3, 35, _kernel_times),
     Step("bench_S_eager_triton", "DCViT-S/16 vs ViT-S/16, eager bf16 b256: train, inference, memory",
          _bench_s("S/16", 2, 7), 20, _bench("S", "triton", False)),
     Step("bench_B_eager_triton", "DCViT-B/16 vs ViT-B/16, eager bf16 b256: train, inference, memory",
          _bench_s("B/16", 2, 5), 25, _bench("B", "triton", False)),
     Step("loop_overhead", "train_one_epoch against a bare loop, DCViT-S/16 b256 bf16",
-         lambda ms: START + TRITON_COMPILE + _train_s(ms, "S/16", 2 * 3 * 30 + 10, both=False), 15, _loop),
+         lambda ms: START + TRITON_COMPILE + _train_s(ms, "S/16", 2 * 3 * 30 + 10, both=False), 20, _loop),
     Step("synthetic_shards", "synthetic JPEGs written as WebDataset shards (scratch)",
-         lambda ms: START + 10 + 0.005 * SMOKE[False][0] * SMOKE[False][1], 10, _shards,
+         lambda ms: START + 10 + 0.005 * SMOKE[False][0] * SMOKE[False][1], 15, _shards,
          serves="train_smoke_eager"),
     Step("train_smoke_eager", "train_imagenet, one process, bf16, on the synthetic shards",
-         _smoke_s(False), 40, _train(False), needs=("synthetic_shards",)),
-    Step("bench_S_compile_triton", "DCViT-S/16 vs ViT-S/16 under torch.compile", _bench_compiled_s("S/16"), 150,
+         _smoke_s(False), 20, _train(False), needs=("synthetic_shards",)),
+    Step("bench_S_compile_triton", "DCViT-S/16 vs ViT-S/16 under torch.compile", _bench_compiled_s("S/16"), 60,
          _bench("S", "triton", True)),
-    Step("train_smoke_compile", "train_imagenet with compile=true", _smoke_s(True), 200, _train(True),
+    Step("train_smoke_compile", "train_imagenet with compile=true", _smoke_s(True), 80, _train(True),
          needs=("synthetic_shards",)),
     Step("bench_S_eager_compile", "DCViT-S/16 with the 'compile' core, eager model",
-         lambda ms: _bench_s("S/16", 2, 7)(ms) + 2 * TORCH_COMPILE, 120, _bench("S", "compile", False)),
-    Step("bench_B_compile_triton", "DCViT-B/16 vs ViT-B/16 under torch.compile", _bench_compiled_s("B/16"), 150,
+         lambda ms: _bench_s("S/16", 2, 7)(ms) + 2 * TORCH_COMPILE, 35, _bench("S", "compile", False)),
+    Step("bench_B_compile_triton", "DCViT-B/16 vs ViT-B/16 under torch.compile", _bench_compiled_s("B/16"), 130,
          _bench("B", "triton", True)),
 )
 RESERVE = 5.0   # seconds kept for the last summary
@@ -281,11 +281,14 @@ def _served(step: Step, dry: bool, step_ms: Optional[Dict[str, Sequence[float]]]
 
 def plan(budget: float, dry: bool, step_ms: Optional[Dict[str, Sequence[float]]] = None) -> List[Dict]:
     """Each step in order, its planned seconds, and whether it fits what the steps before
-    it leave of the budget (a skipped step leaves its time to the later ones)."""
-    rows, used = [], 0.0
+    it leave of the budget (a skipped step leaves its time to the later ones; a step whose
+    prerequisite is skipped is skipped too)."""
+    rows, used, planned_in = [], 0.0, set()
     for s in STEPS:
         planned = cost(s, dry, step_ms)
-        fits = used + planned + _served(s, dry, step_ms) <= budget - RESERVE
+        fits = (used + planned + _served(s, dry, step_ms) <= budget - RESERVE
+                and all(n in planned_in for n in s.needs))
+        planned_in |= {s.name} if fits else set()
         used += planned if fits else 0.0
         rows.append(dict(step=s.name, what=s.what, planned_s=planned, fits=fits))
     return rows

@@ -148,14 +148,15 @@ def report(out: Path, dest: Optional[Path] = None, quiet: bool = False) -> Dict[
               + (f"  {s['reason']}" if s.get("reason") else ""))
     for label, k in ((result["kernels"] or {}).get("models") or {}).items():
         print(f"kernels {label}: " + (k["error"] if "error" in k else
-                                      f"max error {k['max_error']:.2e} ({k['worst']}), tolerance {k['tolerance']:.0e}")
+                                      f"error {k['max_error']:.2e} against the bf16 reference core's "
+                                      f"{k['reference_error']:.2e} ({k['worst']})")
               + f" -> {'pass' if k['passed'] else 'FAIL'}")
     if figures:
-        print(f"\n{'model':<26}{'core':<9}{'figure':<28}{'DCViT':>11}{'ViT':>11}{'ratio':>7}{'target':>8}  met")
+        print(f"\n{'model':<26}{'core':<11}{'figure':<28}{'DCViT':>11}{'ViT':>11}{'ratio':>7}{'target':>8}  met")
         for f in figures:
             op, bound = TARGETS[f["kind"]]
             fmt = (lambda v: f"{v / 2**20:.0f} MiB") if f["unit"] == "bytes" else (lambda v: f"{v:.1f} ms")
-            print(f"{f['model']:<26}{f['core']:<9}{f['kind'] + '/' + f['dtype'] + '/' + f['backend']:<28}"
+            print(f"{f['model']:<26}{f['core']:<11}{f['kind'] + '/' + f['dtype'] + '/' + f['backend']:<28}"
                   f"{fmt(f['dcvit']):>11}{fmt(f['vit']):>11}{f['ratio']:>7.3f}{op + str(bound):>8}  "
                   f"{'yes' if f['met'] else 'no'}")
         print("\nfastest training core: " + ", ".join(f"{k}: {v}" for k, v in result["fastest_training_core"].items()))

@@ -45,12 +45,12 @@ def test_cuda_plan_fits_500_s_from_the_estimate_most_valuable_first(planner, ste
     assert bench["bench_B_eager_triton"] > {r["step"]: r["planned_s"] for r in rows}["bench_B_eager_triton"]
 
 
-def test_a_larger_budget_plans_every_step_and_a_small_one_only_the_first(planner, step_ms):
+def test_a_larger_budget_plans_every_step_and_a_small_one_only_the_first_two(planner, step_ms):
     every = planner.plan(5000, dry=False, step_ms=step_ms)
     assert all(r["fits"] for r in every)
-    few = planner.plan(150, dry=False, step_ms=step_ms)
-    assert [r["step"] for r in few if r["fits"]][:2] == ["environment", "kernels"]
-    assert sum(r["planned_s"] for r in few if r["fits"]) <= 150 - planner.RESERVE
+    first_two = sum(r["planned_s"] for r in every[:2])
+    few = planner.plan(first_two + planner.RESERVE, dry=False, step_ms=step_ms)
+    assert [r["step"] for r in few if r["fits"]] == ["environment", "kernels"]
 
 
 def test_the_shards_are_planned_only_with_the_training_run_they_are_for(planner, step_ms):
@@ -67,7 +67,7 @@ def test_dry_plan_at_120_s_skips_the_compiled_steps(planner):
     assert sum(r["planned_s"] for r in rows.values() if r["fits"]) <= 120 - planner.RESERVE
     assert rows["environment"]["fits"] and rows["kernels"]["fits"] and rows["bench_S_eager_triton"]["fits"]
     for name in ("bench_S_compile_triton", "train_smoke_compile", "bench_B_compile_triton"):
-        assert not rows[name]["fits"] and rows[name]["planned_s"] > 120
+        assert not rows[name]["fits"]
 
 
 def _fake_steps(planner):

@@ -34,7 +34,7 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
         dict(step, step="bench_S_eager_torch", status="timeout", seconds=60.0, log="x.log"),
         dict(step, step="train_smoke_compile", status="skipped", seconds=0.0, reason="planned 246 s > 80 s left")]}))
     (tmp_path / "kernels.json").write_text(json.dumps({"models": {"S/16": {
-        "max_error": 0.004, "worst": "grad qkv.weight", "tolerance": 0.03, "passed": True}}}))
+        "max_error": 0.004, "reference_error": 0.006, "worst": "grad qkv.weight", "passed": True}}}))
     _bench(tmp_path / "bench_S_eager_triton.json", "triton", 0.95, 1.05)
     _bench(tmp_path / "bench_S_eager_torch.json", "torch", 0.40, 1.30)
     (tmp_path / "loop_overhead.json").write_text(json.dumps(
@@ -61,7 +61,7 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
     assert saved["training_runs"]["run_eager"]["epochs"] == 1
     out = capsys.readouterr().out
     assert "bench_S_eager_torch" in out and "timeout" in out and "+10.0 %" in out
-    assert "planned 246 s > 80 s left" in out and "kernels S/16: max error 4.00e-03" in out
+    assert "planned 246 s > 80 s left" in out and "kernels S/16: error 4.00e-03 against the bf16 reference core's 6.00e-03" in out
     assert result["loop_overhead"]["overhead"] == 0.1
     times = {r["what"]: (r["estimate"], r["measured"]) for r in saved["kernel_times"]}
     assert times["forward ms"] == (0.07, 0.2)                            # measured next to the estimate
