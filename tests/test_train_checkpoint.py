@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+import train_imagenet.__main__ as entry
 import train_imagenet.start as start_mod
 from train_imagenet.checkpoint import (CheckpointError, content_digest, list_checkpoints,
                                        load_checkpoint, load_latest, save_checkpoint)
