@@ -21,7 +21,9 @@ costs are assumptions until a GPU run measures them: each step's measured second
 in the summary next to its plan. The dry run (CPU, tiny sizes, the reference core) has
 fixed costs measured on a 2-core machine.
 
-Standard library only: it runs before the wheels of a bare image are installed.
+Standard library only: it runs before the wheels of a bare image are installed. One file
+over 400 lines for that reason: gpu_check.sh runs it as a script before anything (this
+repository's packages included) can be imported, so its steps, costs and runner travel together.
 """
 import argparse
 import importlib.metadata

@@ -8,6 +8,9 @@ line) is an error that names the closest known keys. Values are parsed as YAML a
 against the declared type. A file may build on another with ``base: OTHER.yaml``
 (`config_layers`): a recipe is written once, and each model's file states only what differs.
 ``save_config`` writes the resolved config to the run directory.
+
+It is one module over 400 lines because the declarations are the documentation of every key
+(each field with its comment); split, a reader would look in two places for one key.
 """
 import dataclasses
 import os
