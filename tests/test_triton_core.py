@@ -125,7 +125,7 @@ def _scaled(atol: float, b) -> float:
     """An absolute tolerance in units of the tensor's largest entry (at least 1): float32
     sums round to about eps x their magnitude, whichever element they land in (gradients of
     the mixing matrices reach tens here)."""
-    return atol * max(1.0, float(b.abs().max()))
+    return atol * max(1.0, float(b.detach().abs().max()))
 
 
 # ------------------------------------------------------------------------ float32 == formula
