@@ -15,7 +15,8 @@ launch is captured, not run), for q, k, v as views of one (B, N, 3, H, D) qkv pr
 and N = 197 tokens, so Triton's own specialisation (strides of 1 as constants, 16-byte
 alignment) is what a real launch gets.
 
-    python scripts/kernel_report.py --quick                 # the resource test's variants
+    python scripts/kernel_report.py --quick                 # the masked production variants
+    python scripts/kernel_report.py --production --check    # DCViT's own variants; status 1 if one does not fit
     python scripts/kernel_report.py --heads 6 12 --targets sm90 --json out.json
     python scripts/kernel_report.py --estimate              # expected H100 time (docs/performance.md)
 
@@ -41,6 +42,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 STAGES = ("", "q", "qk")
 N_TOKENS = 197
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}   # opt-in bytes per block
+SHARED_BUDGET = 160 * 1024          # what every variant must fit: an A100's block, with room
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,25 +104,26 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
     out = []
     for kernel, arch, H, D, dtype, mask, (pre, post) in itertools.product(
             kernels, archs, heads, dims, dtypes, masks, stages):
-        for c in block_sizes(H, kernel):
+        for c in block_sizes(H, kernel, arch):
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
                                c["num_stages"], c["G"]))
     return out
 
 
 @contextlib.contextmanager
-def _captured_launches():
+def _captured_launches(arch: int):
     """Run `triton_core` on CPU tensors with its launches recorded instead of run, as on a GPU
-    (not the interpreter's precision)."""
+    of compute capability ``arch`` (not the interpreter's precision)."""
     from dcvit.kernels import triton_core
     seen: Dict[str, tuple] = {}
-    saved = triton_core._launch, triton_core.interpreted
+    saved = triton_core._launch, triton_core.interpreted, triton_core._arch
     triton_core._launch = lambda name, device, H, rows, block, B, args, kwargs: seen.__setitem__(name, (args, kwargs))
     triton_core.interpreted = lambda: False
+    triton_core._arch = lambda device: arch
     try:
         yield seen
     finally:
-        triton_core._launch, triton_core.interpreted = saved
+        triton_core._launch, triton_core.interpreted, triton_core._arch = saved
 
 
 def launch_arguments(v: Variant):
@@ -136,7 +139,7 @@ def launch_arguments(v: Variant):
     for stage in (v.pre, v.post):
         mats += [torch.zeros(B, N, H, H) if stage else None, torch.zeros(B, N, H, H) if stage == "qk" else None]
     mask = torch.zeros(N, N) if v.mask else None
-    with _captured_launches() as seen:
+    with _captured_launches(v.arch) as seen:
         if v.kernel == "forward_kernel":
             triton_core.attention_forward(q, k, w, mask, *mats, D ** -0.5)
         else:
@@ -219,6 +222,19 @@ def _compiling() -> None:
     os.environ.pop("TRITON_INTERPRET", None)
 
 
+def problems(rows: Sequence[Dict]) -> List[str]:
+    """One line per variant that does not compile, spills or needs more than `SHARED_BUDGET`."""
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['name']}: {r['error']}")
+        elif r["spill_stores"] or r["spill_loads"]:
+            out.append(f"{r['name']}: spills {r['spill_stores']} B stored, {r['spill_loads']} B loaded")
+        elif r["shared"] > SHARED_BUDGET:
+            out.append(f"{r['name']}: {r['shared'] / 1024:.0f} KiB of shared memory")
+    return out
+
+
 def table(rows: Sequence[Dict]) -> str:
     """One line per variant."""
     head = f"{'variant':<84} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'smem KiB':>8} {'mma':>5} {'fma':>6}"
@@ -272,9 +288,11 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
     once (re-reads of k, v and the matrices across a sequence's blocks are L2 hits: one
-    sequence's working set is under 1 MB)."""
-    from dcvit.kernels.triton_core import block_sizes, _padded_heads
-    c = block_sizes(H, kernel)[0]
+    sequence's working set is under 1 MB). What the running Triton gives to CUDA cores
+    (the head mixing and matrix gradients that its `tl.dot` does not take, `dot_min`) is
+    counted there instead, one FMA per term."""
+    from dcvit.kernels.triton_core import block_sizes, dot_min, _padded_heads
+    c = block_sizes(H, kernel, 90)[0]
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
     nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
@@ -283,22 +301,28 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     mix = 2 * tile * hp                                 # one side of a Compose stage, or a dM
     pad = 16 // min(c["BT"], c["BS"], 16)               # a block of 8 rows: the side of a stage batched
     compose = mix + pad * mix                           # over the others has 8 product rows, padded to 16
+    m, n, k = dot_min(32, 90)
+    rows = min(c["BT"], c["BS"], hp // c["G"])
+    mix_tc = hp >= k and rows >= max(m, n)              # Compose: (cols, heads) @ (heads, heads)
+    dm_tc = min(c["BT"], c["BS"]) >= k and rows >= max(m, n) and hp >= max(m, n)   # dM: (heads, cols) @ (cols, heads)
     if kernel == "forward_kernel":
         bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
-        tf32 = 2 * compose + compose                    # pre-compose in both passes, post
+        stages, grads = 3, 0                            # pre-compose in both passes, post
         ops = (1 + 1 + 1 + 2) + (1 + 1 + 1) + 2 * 1 + 1 # scale, where, max, l update; scale, where, sub; compose adds; cast
         exps = 2
     elif kernel == "backward_query_kernel":
         bf16 = 2 * (qk + qk) + qk                       # q·kᵀ, do·vᵀ in both passes; ds·k
-        tf32 = 2 * compose + 2 * compose + compose + 2 * mix   # pre both passes, post T both, pre T, dMq1, dMq2
+        stages, grads = 5, 2                            # pre both passes, post T both, pre T; dMq1, dMq2
         ops = 2 * (1 + 1 + 1) + 2 + 3 + 5 * 1 + 1       # scale, where, sub x2; delta; ds; compose adds; cast
         exps = 2
     else:                                               # G programs per key block, each for HP/G heads:
         g = c["G"]                                      # the scores and both stages for all heads in each
         bf16 = g * 2 * qk + 2 * qk                      # k·qᵀ, v·doᵀ in each; p2ᵀ·do, dsᵀ·q for its heads
-        tf32 = g * 2 * compose + 2 * compose + 2 * mix  # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
+        stages, grads = g * 2 + 2, 2                    # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
         ops = g * (1 + 1 + 1 + 1 + 2 + 2) + 2 + 2       # scale, where, sub, where, ds, 2 compose adds; 2 adds, casts
         exps = g
+    tf32 = stages * compose * mix_tc + grads * mix * dm_tc
+    ops += (2 * stages * (not mix_tc) + grads * (not dm_tc)) * hp   # FMAs per (row, col, head) on CUDA cores
     tok = B * N * H                                     # (token, head) pairs
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
     # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)
@@ -433,7 +457,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--kernels", nargs="+", default=list(SHORT.values()), choices=list(SHORT.values()))
     p.add_argument("--mask", choices=["both", "yes", "no"], default="both")
     p.add_argument("--quick", action="store_true",
-                   help="the resource test's variants: D=64, bf16, sm80+sm90, mask, pre+post with both sides")
+                   help="D=64, bf16, sm80+sm90, a mask, pre+post with both sides")
+    p.add_argument("--production", action="store_true",
+                   help="the variants DCViT trains with: D=64, bf16, pre+post with both sides, no mask")
+    p.add_argument("--check", action="store_true",
+                   help="exit with status 1 when a variant fails to compile, spills or needs over 160 KiB")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--estimate", action="store_true",
@@ -480,9 +508,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     kernels = [k for k in KERNELS if SHORT[k] in a.kernels]
     masks = {"both": (False, True), "yes": (True,), "no": (False,)}[a.mask]
-    if a.quick:
-        vs = variants(a.heads, (64,), ("bf16",), [x for x in archs if x in (80, 90)], (True,),
-                      [("qk", "qk")], kernels)
+    if a.quick or a.production:
+        vs = variants(a.heads, (64,), ("bf16",), [x for x in archs if x in (80, 90)],
+                      (not a.production,), [("qk", "qk")], kernels)
     else:
         vs = variants(a.heads, a.dims, a.dtypes, archs, masks, None, kernels)
     for arch in archs:
@@ -498,7 +526,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(dict(triton=triton.__version__, ptxas={a_: ptxas(a_) for a_ in archs},
                            n_tokens=N_TOKENS, rows=rows), f, indent=1)
         print(f"wrote {a.json}")
-    return 0
+    bad = problems(rows)
+    print(f"\nTriton {triton_module().__version__}: {len(rows) - len(bad)} of {len(rows)} variants compile, "
+          f"spill nothing and fit {SHARED_BUDGET // 1024} KiB")
+    for line in bad:
+        print(f"  {line}")
+    return 1 if a.check and bad else 0
 
 
 def _ptxas_version(arch: int) -> str:

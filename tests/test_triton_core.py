@@ -186,8 +186,8 @@ def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
     """9 heads (16 padded), head dim 40, with each forward block candidate: the key kernel
     splits its heads between programs (`block_sizes`' G), the query kernel owns 8 queries."""
     sizes = triton_core.block_sizes
-    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel": (
-        sizes(H, kernel)[fwd:] + sizes(H, kernel)[:fwd] if kernel == "forward_kernel" else sizes(H, kernel)))
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: (
+        sizes(H, kernel, arch)[fwd:] + sizes(H, kernel, arch)[:fwd] if kernel == "forward_kernel" else sizes(H, kernel, arch)))
     assert triton_core.block_sizes(9, "backward_key_kernel")[0]["G"] == 2
     _assert_matches(*_case(1, 9, 19, 17, 40, seed=17), scale=40 ** -0.5)
 
@@ -199,11 +199,25 @@ def test_head_groups_in_every_kernel(monkeypatch):
     inputs, mask, mats = _case(1, 9, 13, 11, 16, seed=18)
     want = _grads(_kernel, inputs, mask, mats, 0.35)
     sizes = triton_core.block_sizes
-    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel": [
-        {**c, "G": 2} for c in sizes(H, kernel)])
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: [
+        {**c, "G": 2} for c in sizes(H, kernel, arch)])
     got = _grads(_kernel, inputs, mask, mats, 0.35)
     for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mins", [(1, 1, 16), (16, 16, 16)], ids=["triton3.5-3.7", "triton3.4"])
+@pytest.mark.parametrize("H", [3, pytest.param(9, marks=pytest.mark.slow)])
+def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, H):
+    """Where the running Triton's `tl.dot` wants a contraction of 16 (3.5-3.7), or 16 rows
+    and columns too (3.4), Compose's head mixing over 8 padded heads and the matrix
+    gradients are padded with zeros, and 3.4 gets 16-row blocks: the same formula."""
+    monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: mins)
+    if mins[0] == 16:
+        assert all(min(c["BT"], c["BS"]) == 16 for k in ("forward_kernel", "backward_query_kernel",
+                                                          "backward_key_kernel")
+                   for c in triton_core.block_sizes(H, k))
+    _assert_matches(*_case(1, H, 19, 21, 16, seed=23), scale=16 ** -0.5)
 
 
 def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):
