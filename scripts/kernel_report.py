@@ -82,7 +82,10 @@ def ptxas(arch: int) -> Optional[str]:
     """Path of the ptxas Triton uses for ``arch`` (its wheel's, or TRITON_PTXAS_PATH), or None."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
-        path = get_ptxas(arch).path
+        try:
+            path = get_ptxas(arch).path
+        except TypeError:                               # Triton 3.4, 3.5: one ptxas for every target
+            path = get_ptxas().path if arch < 100 else None
     except Exception:  # noqa: BLE001
         return None
     return path if path and os.path.exists(path) else None
@@ -161,11 +164,30 @@ def _ptxas_figures(text: str) -> Dict[str, int]:
                 static_smem=grab(r"(\d+) bytes smem"))
 
 
+def _specialize(backend, arg):
+    """(kind, specialization) of a launch argument as the running Triton's launcher computes
+    it: its native function from 3.6, the Python one before."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:
+        from triton.runtime.jit import create_specialize_impl
+        return create_specialize_impl(backend.get_arg_specialization)(arg, False, True, True)
+    return native_specialize_impl(backend, arg, False, True, True)
+
+
+def _error_line(e: BaseException) -> str:
+    """The innermost cause of a compile error, its last line that says something (Triton's
+    CompilationError wraps the failing call's own, under a source excerpt and a caret)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip(" ^~\t")]
+    return f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
+
+
 def compile_variant(v: Variant) -> Dict:
     """Compile ``v`` for its target and measure it: a row of the report (``error`` set when
     Triton or ptxas rejects it)."""
     import triton
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from dcvit.kernels import triton_attention
@@ -178,7 +200,7 @@ def compile_variant(v: Variant) -> Dict:
         if arg_name in kwargs:
             signature[arg_name], constexprs[arg_name] = "constexpr", kwargs[arg_name]
             continue
-        kind, spec = native_specialize_impl(CUDABackend, args[i], False, True, True)
+        kind, spec = _specialize(CUDABackend, args[i])
         signature[arg_name] = kind
         if kind == "constexpr":
             constexprs[arg_name] = spec
@@ -197,7 +219,7 @@ def compile_variant(v: Variant) -> Dict:
             log = subprocess.run([ptxas(v.arch), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(tmp, "k.cubin")],
                                  capture_output=True, text=True, check=True).stderr
     except Exception as e:  # noqa: BLE001  (out of resources, compiler errors: a figure too)
-        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+        row["error"] = _error_line(e)
         return row
     row.update(_ptxas_figures(log))
     row["shared"] = int(compiled.metadata.shared) + row.pop("static_smem")
@@ -288,9 +310,9 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
     once (re-reads of k, v and the matrices across a sequence's blocks are L2 hits: one
-    sequence's working set is under 1 MB). What the running Triton gives to CUDA cores
-    (the head mixing and matrix gradients that its `tl.dot` does not take, `dot_min`) is
-    counted there instead, one FMA per term."""
+    sequence's working set is under 1 MB). A product side that the running Triton's
+    `tl.dot` takes only padded (`dot_min`: the head mixing's 8-head contraction under
+    3.4-3.7, 8-head rows and columns under 3.4) counts twice, as it is computed."""
     from dcvit.kernels.triton_core import block_sizes, dot_min, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
@@ -302,9 +324,9 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     pad = 16 // min(c["BT"], c["BS"], 16)               # a block of 8 rows: the side of a stage batched
     compose = mix + pad * mix                           # over the others has 8 product rows, padded to 16
     m, n, k = dot_min(32, 90)
-    rows = min(c["BT"], c["BS"], hp // c["G"])
-    mix_tc = hp >= k and rows >= max(m, n)              # Compose: (cols, heads) @ (heads, heads)
-    dm_tc = min(c["BT"], c["BS"]) >= k and rows >= max(m, n) and hp >= max(m, n)   # dM: (heads, cols) @ (cols, heads)
+    heads_out = 2 if hp // c["G"] < max(m, n) else 1    # a product's columns: the output heads
+    compose *= (2 if hp < k else 1) * heads_out         # Compose: (cols, heads) @ (heads, heads)
+    dm = mix * (2 if hp < max(m, n) else 1) * heads_out # dM: (heads, cols) @ (cols, heads)
     if kernel == "forward_kernel":
         bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
         stages, grads = 3, 0                            # pre-compose in both passes, post
@@ -321,8 +343,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
         stages, grads = g * 2 + 2, 2                    # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
         ops = g * (1 + 1 + 1 + 1 + 2 + 2) + 2 + 2       # scale, where, sub, where, ds, 2 compose adds; 2 adds, casts
         exps = g
-    tf32 = stages * compose * mix_tc + grads * mix * dm_tc
-    ops += (2 * stages * (not mix_tc) + grads * (not dm_tc)) * hp   # FMAs per (row, col, head) on CUDA cores
+    tf32 = stages * compose + grads * dm
     tok = B * N * H                                     # (token, head) pairs
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
     # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)

@@ -96,20 +96,27 @@ def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.cons
     with zeros between its values and the product's padding dropped: Compose's head mixing
     at 8 padded heads under Triton 3.4-3.7 (K), and under 3.4 the 8 heads of a product's
     columns or rows (N, M)."""
-    if a.shape[2] < DOT_K:                                  # contraction: zeros in a, b's rows doubled
-        a = _pad2(a)
-        bt = tl.permute(b, (0, 2, 1))
-        b = tl.permute(tl.reshape(tl.join(bt, bt), (bt.shape[0], bt.shape[1], 2 * bt.shape[2])), (0, 2, 1))
-    if a.shape[1] < DOT_MN:                                 # rows: a's doubled, the product's even ones kept
-        a = tl.permute(_pad2(tl.permute(a, (0, 2, 1))), (0, 2, 1))
-        if b.shape[2] < DOT_MN:
-            out = tl.dot(a, _pad2(b), input_precision=PRECISION)
-            return acc + tl.permute(_unpad2(tl.permute(_unpad2(out), (0, 2, 1))), (0, 2, 1))
+    M: tl.constexpr = a.shape[1]
+    N: tl.constexpr = b.shape[2]
+    K: tl.constexpr = a.shape[2]
+    if (M >= DOT_MN and N >= DOT_MN) and K >= DOT_K:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        if K < DOT_K:                                       # contraction: zeros in a, b's rows doubled
+            a = _pad2(a)
+            bt = tl.permute(b, (0, 2, 1))
+            b = tl.permute(tl.reshape(tl.join(bt, bt), (bt.shape[0], N, 2 * K)), (0, 2, 1))
+        if M < DOT_MN:                                      # rows: a's doubled, zeros between
+            a = tl.permute(_pad2(tl.permute(a, (0, 2, 1))), (0, 2, 1))
+        if N < DOT_MN:                                      # columns: b's doubled, zeros between
+            b = _pad2(b)
         out = tl.dot(a, b, input_precision=PRECISION)
-        return acc + tl.permute(_unpad2(tl.permute(out, (0, 2, 1))), (0, 2, 1))
-    if b.shape[2] < DOT_MN:                                 # columns: b's doubled, the even ones kept
-        return acc + _unpad2(tl.dot(a, _pad2(b), input_precision=PRECISION))
-    return tl.dot(a, b, acc, input_precision=PRECISION)
+        if N < DOT_MN:                                      # the product's padding dropped
+            out = _unpad2(out)
+        if M < DOT_MN:
+            out = tl.permute(_unpad2(tl.permute(out, (0, 2, 1))), (0, 2, 1))
+        out += acc
+    return out
 
 
 @triton.jit
