@@ -19,8 +19,11 @@ is, for every query t, the product ``(keys × heads) @ Mq[t]`` and its key-side 
 every key s, ``(queries × heads) @ Mk[s]``, so each stage is two batched `tl.dot` over the
 head axis, and each matrix gradient (``dMq[t] = Σ_s a[t,s,:]ᵀ d[t,s,:]``) is one more. Going
 between the layouts is a `tl.permute` (one pass through shared memory); nothing extracts
-heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest that a float32
-`tl.dot` takes; padded heads, queries, keys and head-dim lanes are masked.
+heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest contraction that a
+float32 `tl.dot` takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
+lanes are masked. Where the running Triton's `tl.dot` wants more (3.4-3.7: a contraction of
+16; 3.4: 16 rows and columns too, `triton_core.dot_min`) `_mm` doubles the small side with
+zeros between its values, inside the product, and drops the padding from the result.
 
 Registers. A program's tiles of all heads must fit 255 registers per thread at 8 warps
 without spilling (tests/test_kernel_resources.py). Three things make 16 padded heads fit:
@@ -443,6 +446,15 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
         stat = (b * H + h3) * T + tr
         p = tl.where(tr < T, tl.exp(x - tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0)), 0.0)
+        tc = start + tl.arange(0, BT)[None, None, :]
+        tc_ok = gm & (dc < D) & (tc < T)
+        if HAS_POST:                                                        # dv first: p2 dies here
+            p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
+                          MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+        else:
+            p2 = _group(p, h0, HG)
+        dogt = tl.load(DO + b * sgb + hg * sgh + tc * sgt + dc * sgd, mask=tc_ok, other=0.0)
+        dvt += _dot(dogt, _t(p2).to(DO.dtype.element_ty), PRECISION)
         dp = _t(_dot_by_halves(DO + b * sgb, hh * sgh + tr * sgt, sgd, hm & (tr < T), vt0, vt1, D, DP,
                                PRECISION))                                   # dL/dp2 (BS, BT, HP)
         if HAS_POST:
@@ -454,15 +466,6 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         if HAS_PRE:
             if WANT_DMK1:
                 dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-        tc = start + tl.arange(0, BT)[None, None, :]
-        tc_ok = gm & (dc < D) & (tc < T)
-        if HAS_POST:
-            p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
-        else:
-            p2 = _group(p, h0, HG)
-        dogt = tl.load(DO + b * sgb + hg * sgh + tc * sgt + dc * sgd, mask=tc_ok, other=0.0)
-        dvt += _dot(dogt, _t(p2).to(DO.dtype.element_ty), PRECISION)
         if HAS_PRE:
             ds = _compose(ds, MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1,
                           MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)

@@ -70,8 +70,8 @@ def dot_min(bits: int, arch: int = 90) -> Tuple[int, int, int]:
     """The smallest (M, N, K) of a `tl.dot` on ``bits``-bit operands (16: bf16/fp16, 32:
     float32 or TF32) that the running Triton compiles for sm_<arch>, as its NVIDIA backend
     states it: Triton 3.4 takes 16 x 16 x 16 at least, 3.5-3.7 any M and N but K >= 16, 3.8
-    and newer K >= 8 for 32-bit operands. The kernels give every product that is smaller to
-    the CUDA cores (`triton_attention._mm`) and only block sizes whose q/k/v products fit
+    and newer K >= 8 for 32-bit operands. The kernels pad a float32 product that is smaller
+    with zeros (`triton_attention._mm`) and launch only block sizes whose q/k/v products fit
     (`block_sizes`). Under the interpreter: what a GPU's compilation would take."""
     key = (bits, arch)
     if key not in _dot_mins:
@@ -258,7 +258,7 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     powers of two, which operands are present, and the precision of the q/k/v products
     (PRECISION) and of Compose's head mixing (MIX), and the smallest rows or columns (DOT_MN) and
     contraction (DOT_K) of a float32 `tl.dot` (`dot_min`): the head mixing and matrix gradients
-    run on CUDA cores where they are smaller."""
+    are padded where they are smaller."""
     mq1, mk1, mq2, mk2 = mats
     H, D = q.shape[1], q.shape[3]
     m, n, k = dot_min(32, _arch(q.device))
@@ -270,8 +270,8 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
 
 def _padded_heads(H: int) -> int:
     """The kernels' head axis: a power of two, at least 8 (the smallest contraction of a
-    float32 `tl.dot`, Compose's head mixing, in Triton 3.8 and newer; older ones mix 8 heads
-    on CUDA cores)."""
+    float32 `tl.dot`, Compose's head mixing, in Triton 3.8 and newer; older ones pad that
+    contraction to 16 inside the product, `triton_attention._mm`)."""
     return max(8, _next_pow2(H))
 
 
