@@ -189,7 +189,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
         blocks = [(16, 8, 2 if wide else 1)]
     rows = max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) if available() else 1
     if min(min(bt, bs) for bt, bs, _ in blocks) < rows:
-        blocks = [b for b in blocks if min(b[:2]) >= rows] or [(16, 16, 1)]
+        blocks = [b for b in blocks if min(b[:2]) >= rows] or [(16, 16, 2 if wide else 1)]
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1) for bt, bs, g in blocks]
 
 
