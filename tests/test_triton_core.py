@@ -436,6 +436,36 @@ def test_forced_triton_core_refuses_what_it_cannot_take():
     assert fused.select_impl("triton", torch.zeros(1, 3, 4, 8, device=DEVICE)) == ("triton", "forced")
 
 
+def test_a_triton_without_the_kernels_api_is_declined_with_its_version(monkeypatch):
+    """A Triton older than the kernels' API (no triton.knobs, say 3.2) is declined before
+    any launch: the automatic choice names its version, a forced core raises with it."""
+    assert triton_core.unsupported_reason() is None
+    monkeypatch.setattr(triton_core, "triton", None)
+    monkeypatch.setattr(triton_core, "_TRITON_VERSION", "3.2.0")
+    why = triton_core.unsupported_reason()
+    assert "Triton 3.2.0" in why and "3.4 or newer" in why
+    q = torch.zeros(1, 3, 4, 8, device=DEVICE)
+    assert fused._refuses("triton", q, False, None) == why
+    with pytest.raises(ValueError, match="Triton 3.2.0 lacks"):
+        fused.select_impl("triton", q)
+    monkeypatch.setattr(triton_core, "_TRITON_VERSION", None)
+    assert "missing" in triton_core.unsupported_reason()
+
+
+def test_dot_sizes_come_from_the_running_triton():
+    """`dot_min` is what the NVIDIA backend of this Triton states, and the block candidates
+    respect it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import min_dot_size
+    import triton.language as tl
+    for bits, ty in ((16, tl.bfloat16), (32, tl.float32)):
+        assert triton_core.dot_min(bits) == tuple(min_dot_size(GPUTarget("cuda", 90, 32))(ty, ty))
+    rows = max(*triton_core.dot_min(16)[:2], *triton_core.dot_min(32)[:2])
+    for kernel in ("forward_kernel", "backward_query_kernel", "backward_key_kernel"):
+        for H in (3, 6, 12, 16):
+            assert all(min(c["BT"], c["BS"]) >= rows for c in triton_core.block_sizes(H, kernel))
+
+
 # ---------------------------------------------------------------------------- slow tier
 
 @pytest.mark.slow

@@ -173,13 +173,15 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     Triton's autotuner times the candidates once per (heads, head dim, sequence lengths) and
     keeps the fastest (each one more compilation). Each candidate compiles without a register
     spill for sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads, under
-    every Triton from 3.4 (``scripts/kernel_report.py``, tests/test_kernel_resources.py;
-    float32 operands spill some at 12-16 heads, docs/performance.md): one pipeline stage (a
+    every Triton from 3.5 to 3.9 (``scripts/kernel_report.py``, tests/test_kernel_resources.py,
+    tests/test_triton_releases.py; float32 operands spill some at 12-16 heads, and under 3.4
+    the 16-row blocks below do, docs/performance.md): one pipeline stage (a
     second would double the tiles in shared memory), 8 warps, 8 keys per key-kernel program;
     with 16 padded heads 8 queries per query-kernel program, 16 or 8 per forward program, and
     the key kernel's heads split between G = 2 programs per key block (each recomputes the
     scores and Compose of all heads for the accumulators of half). A Triton whose `tl.dot`
-    takes no 8-row side (3.4, `dot_min`) gets blocks of 16 instead."""
+    takes no 8-row side (3.4, `dot_min`) gets blocks of 16 instead, and at 16 padded heads
+    both backward kernels split their heads between two programs."""
     wide = _padded_heads(H) > 8
     if kernel == "forward_kernel":
         blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide else [])
