@@ -381,7 +381,9 @@ def estimate(batch: int = 256) -> Dict:
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from dcvit.accounting import analytic_macs
-    out = {"gpu": H100, "batch": batch, "models": {}}
+    tri = triton_module()
+    out = {"gpu": H100, "batch": batch, "models": {},
+           "triton": tri.__version__ if tri else None}       # its tl.dot sizes decide the padding counted
     for label, (dc_name, vit_name) in MODELS.items():
         dc = timm.create_model(dc_name)
         vit = timm.create_model(vit_name)
@@ -413,7 +415,8 @@ def estimate_table(est: Dict) -> str:
     g = est["gpu"]
     lines = [f"{g['name']}: {g['bf16'] / 1e12:.0f} TFLOP/s bf16 tensor, {g['tf32'] / 1e12:.0f} TF32, "
              f"{g['fp32'] / 1e12:.0f} fp32 (FMA = 2), {g['exp'] / 1e12:.1f} T exp/s, "
-             f"{g['hbm'] / 1e12:.2f} TB/s; batch {est['batch']}, bf16, one layer", "",
+             f"{g['hbm'] / 1e12:.2f} TB/s; batch {est['batch']}, bf16, one layer; "
+             f"kernels as Triton {est.get('triton')} compiles them", "",
              "| model | kernel | bf16 TC GFLOP | TF32 TC GFLOP | CUDA-core GFLOP | exp G | MB | tensor ms | "
              "CUDA-core ms | memory ms | estimate ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
