@@ -31,7 +31,9 @@ a block of 8 rows is always a product's 8 columns, never its rows (a tensor-core
 pads rows to 16): accumulators are kept transposed (dkᵀ, dvᵀ, dqᵀ, Oᵀ: (heads, D, rows);
 dMᵀ: (rows, heads, group)) and the scores come out as ``(a @ b)ᵀ`` with the 8 rows in b;
 the operand of q·kᵀ and dO·vᵀ that a loop loads is loaded and multiplied in two halves of
-the head dim (`_dot_by_halves`), so half of it is live at a time; and the key kernel
+the head dim (`_dot_by_halves`), so half of it is live at a time, and so is the operand of
+each backward product into an accumulator over the head dim (dqᵀ, dkᵀ, dvᵀ, each held as
+its two halves: `_acc_by_halves`; the forward's Oᵀ spills less whole); and the key kernel
 splits its heads between two programs (``G = 2``): each recomputes the scores and the
 full-width Compose steps, post-composes and back-composes only its heads' output columns,
 and takes its heads' columns of the other tiles with `tl.gather` (`_group`).
@@ -217,6 +219,35 @@ def _dot_by_halves(P, off, sd, ok, b0, b1, D: tl.constexpr, DP: tl.constexpr, PR
 
 
 @triton.jit
+def _acc_by_halves(acc0, acc1, P, off, sd, ok, b, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc += a @ b`` for the (heads, D, cols) accumulator held as its two halves along
+    the head dim when DP ≥ 32 (acc0, acc1: `_halves_zeros`), ``a = P[off + d·sd]`` loaded
+    here half at a time: half of a is live at a time. Else acc0 is all of it (acc1 unused)."""
+    if DP >= 32:
+        d0 = tl.arange(0, DP // 2)[None, :, None]
+        d1 = DP // 2 + d0
+        acc0 += _dot(tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0), b, PRECISION)
+        acc1 += _dot(tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0), b, PRECISION)
+    else:
+        d = tl.arange(0, DP)[None, :, None]
+        acc0 += _dot(tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0), b, PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
+def _store_t_halves(P, off, sd, ok, acc0, acc1, D: tl.constexpr, DP: tl.constexpr):
+    """`_acc_by_halves`' accumulator stored to ``P[off + d·sd]`` (in P's dtype)."""
+    if DP >= 32:
+        d0 = tl.arange(0, DP // 2)[None, :, None]
+        d1 = DP // 2 + d0
+        tl.store(P + off + d0 * sd, acc0.to(P.dtype.element_ty), mask=ok & (d0 < D))
+        tl.store(P + off + d1 * sd, acc1.to(P.dtype.element_ty), mask=ok & (d1 < D))
+    else:
+        d = tl.arange(0, DP)[None, :, None]
+        tl.store(P + off + d * sd, acc0.to(P.dtype.element_ty), mask=ok & (d < D))
+
+
+@triton.jit
 def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
             MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
             H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PRE: tl.constexpr,
@@ -333,7 +364,6 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
     t_idx = tl.program_id(0) * BT + tl.arange(0, BT)
     hh = tl.arange(0, HP)[:, None, None]
     hm = hh < H
-    dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, queries) tiles
     tc = t_idx[None, None, :]
     qt0, qt1 = _load_t_halves(Q + b * sqb, hh * sqh + tc * sqt, sqd, hm & (tc < T), D, DP)
     dot0, dot1 = _load_t_halves(DO + b * sgb, hh * sgh + tc * sgt, sgd, hm & (tc < T), D, DP)
@@ -368,7 +398,9 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
 
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
-    dqt = tl.zeros((HG, DP, BT), tl.float32)                                # dqᵀ, dMq1ᵀ: 8 queries, heads
+    DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dqᵀ by halves of D
+    dqt0 = tl.zeros((HG, DH, BT), tl.float32)                               # dqᵀ, dMq1ᵀ: 8 queries, heads
+    dqt1 = tl.zeros((HG, DH, BT), tl.float32)
     dm1t = tl.zeros((BT, HP, HG), tl.float32)                               # as a product's columns
     for start in range(0, S, BS):                                           # pass 2: dq, dMq1
         sr = start + tl.arange(0, BS)[None, :, None]
@@ -392,10 +424,9 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
         else:
             ds = _group(ds, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
-        kgt = tl.load(K + b * skb + hg * skh + sc * sks + dc * skd, mask=gm & (sc < S) & (dc < D), other=0.0)
-        dqt += _dot(kgt, _t(ds).to(K.dtype.element_ty), PRECISION)
-    tl.store(DQ + b * sdb + hg * sdh + tc * sdt + dc * sdd, (dqt * scale).to(DQ.dtype.element_ty),
-             mask=gm & (tc < T) & (dc < D))
+        dqt0, dqt1 = _acc_by_halves(dqt0, dqt1, K + b * skb, hg * skh + sc * sks, skd, gm & (sc < S),
+                                    _t(ds).to(K.dtype.element_ty), D, DP, PRECISION)
+    _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:
         _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)), b, t_idx, T, h0, 0, H)
 
@@ -428,12 +459,14 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     h3 = tl.arange(0, HP)[None, None, :]
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
-    dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, keys) tiles
     sc = s_idx[None, None, :]
     kt0, kt1 = _load_t_halves(K + b * skb, hh * skh + sc * sks, skd, hm & (sc < S), D, DP)
     vt0, vt1 = _load_t_halves(V + b * svb, hh * svh + sc * svs, svd, hm & (sc < S), D, DP)
-    dkt = tl.zeros((HG, DP, BS), tl.float32)                                # dkᵀ, dvᵀ: 8 keys fill
-    dvt = tl.zeros((HG, DP, BS), tl.float32)                                # a tensor-core product's columns
+    DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dkᵀ, dvᵀ by halves of D:
+    dkt0 = tl.zeros((HG, DH, BS), tl.float32)                               # 8 keys fill a tensor-core
+    dkt1 = tl.zeros((HG, DH, BS), tl.float32)                               # product's columns
+    dvt0 = tl.zeros((HG, DH, BS), tl.float32)
+    dvt1 = tl.zeros((HG, DH, BS), tl.float32)
     dm1t = tl.zeros((BS, HP, HG), tl.float32)                               # dMk1ᵀ: 8 heads as columns
     dm2 = tl.zeros((BS, HP, HG), tl.float32)
     for start in range(0, T, BT):
@@ -447,14 +480,13 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         stat = (b * H + h3) * T + tr
         p = tl.where(tr < T, tl.exp(x - tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0)), 0.0)
         tc = start + tl.arange(0, BT)[None, None, :]
-        tc_ok = gm & (dc < D) & (tc < T)
         if HAS_POST:                                                        # dv first: p2 dies here
             p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
                           MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             p2 = _group(p, h0, HG)
-        dogt = tl.load(DO + b * sgb + hg * sgh + tc * sgt + dc * sgd, mask=tc_ok, other=0.0)
-        dvt += _dot(dogt, _t(p2).to(DO.dtype.element_ty), PRECISION)
+        dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO + b * sgb, hg * sgh + tc * sgt, sgd, gm & (tc < T),
+                                    _t(p2).to(DO.dtype.element_ty), D, DP, PRECISION)
         dp = _t(_dot_by_halves(DO + b * sgb, hh * sgh + tr * sgt, sgd, hm & (tr < T), vt0, vt1, D, DP,
                                PRECISION))                                   # dL/dp2 (BS, BT, HP)
         if HAS_POST:
@@ -471,11 +503,11 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                           MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             ds = _group(ds, h0, HG)
-        qgt = tl.load(Q + b * sqb + hg * sqh + tc * sqt + dc * sqd, mask=tc_ok, other=0.0)
-        dkt += _dot(qgt, _t(ds).to(Q.dtype.element_ty), PRECISION)
-    out = b * sdb + hg * sdh + sc * sds + dc * sdd
-    tl.store(DK + out, (dkt * scale).to(DK.dtype.element_ty), mask=gm & (sc < S) & (dc < D))
-    tl.store(DV + out, dvt.to(DV.dtype.element_ty), mask=gm & (sc < S) & (dc < D))
+        dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q + b * sqb, hg * sqh + tc * sqt, sqd, gm & (tc < T),
+                                    _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION)
+    out = b * sdb + hg * sdh + sc * sds
+    _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
+    _store_t_halves(DV, out, sdd, gm & (sc < S), dvt0, dvt1, D, DP)
     if WANT_DMK1:
         _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)), b, s_idx, S, h0, 0, H)
     if WANT_DMK2:
