@@ -220,9 +220,10 @@ def _dot_by_halves(P, off, sd, ok, b0, b1, D: tl.constexpr, DP: tl.constexpr, PR
 
 @triton.jit
 def _acc_by_halves(acc0, acc1, P, off, sd, ok, b, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc += a @ b`` for the (heads, D, cols) accumulator held as its two halves along
-    the head dim when DP ≥ 32 (acc0, acc1: `_halves_zeros`), ``a = P[off + d·sd]`` loaded
-    here half at a time: half of a is live at a time. Else acc0 is all of it (acc1 unused)."""
+    """``acc += a @ b`` for a (heads, D, cols) accumulator held as its two halves along the
+    head dim when DP ≥ 32 (acc0, acc1: (heads, DP/2, cols) each), ``a = P[off + d·sd]``
+    loaded here half at a time, so half of a is live at a time. Else acc0 is all of it
+    (acc1 unused)."""
     if DP >= 32:
         d0 = tl.arange(0, DP // 2)[None, :, None]
         d1 = DP // 2 + d0
