@@ -187,8 +187,9 @@ def _refuses(core: str, q: Tensor, weights: bool, mask: Optional[Tensor]) -> Opt
             return "the C++ kernels are not built here (see the warning; DCVIT_NO_CPP_KERNEL)"
         return None
     triton_core = _triton()
-    if not triton_core.available():
-        return "the triton package is missing or too old"
+    unsupported = triton_core.unsupported_reason()
+    if unsupported:
+        return unsupported
     if q.device.type != "cuda" and not (q.device.type == "cpu" and triton_core.interpreted()):
         return f"the Triton kernels run on CUDA tensors (CPU only under TRITON_INTERPRET=1), got {q.device.type}"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
