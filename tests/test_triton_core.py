@@ -193,8 +193,8 @@ def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
     """9 heads (16 padded), head dim 40, with each forward block candidate: the key kernel
     splits its heads between programs (`block_sizes`' G), the query kernel owns 8 queries."""
     sizes = triton_core.block_sizes
-    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel": (
-        sizes(H, kernel)[fwd:] + sizes(H, kernel)[:fwd] if kernel == "forward_kernel" else sizes(H, kernel)))
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: (
+        sizes(H, kernel, arch)[fwd:] + sizes(H, kernel, arch)[:fwd] if kernel == "forward_kernel" else sizes(H, kernel, arch)))
     assert triton_core.block_sizes(9, "backward_key_kernel")[0]["G"] == 2
     _assert_matches(*_case(1, 9, 19, 17, 40, seed=17), scale=40 ** -0.5)
 
@@ -206,11 +206,25 @@ def test_head_groups_in_every_kernel(monkeypatch):
     inputs, mask, mats = _case(1, 9, 13, 11, 16, seed=18)
     want = _grads(_kernel, inputs, mask, mats, 0.35)
     sizes = triton_core.block_sizes
-    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel": [
-        {**c, "G": 2} for c in sizes(H, kernel)])
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: [
+        {**c, "G": 2} for c in sizes(H, kernel, arch)])
     got = _grads(_kernel, inputs, mask, mats, 0.35)
     for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):   # the split products round differently
         torch.testing.assert_close(a, b, atol=_scaled(1e-6, b), rtol=1e-5)
+
+
+@pytest.mark.parametrize("mins", [(1, 1, 16), (16, 16, 16)], ids=["triton3.5-3.7", "triton3.4"])
+@pytest.mark.parametrize("H", [3, pytest.param(9, marks=pytest.mark.slow)])
+def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, H):
+    """Where the running Triton's `tl.dot` wants a contraction of 16 (3.5-3.7), or 16 rows
+    and columns too (3.4), Compose's head mixing over 8 padded heads and the matrix
+    gradients are padded with zeros, and 3.4 gets 16-row blocks: the same formula."""
+    monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: mins)
+    if mins[0] == 16:
+        assert all(min(c["BT"], c["BS"]) == 16 for k in ("forward_kernel", "backward_query_kernel",
+                                                          "backward_key_kernel")
+                   for c in triton_core.block_sizes(H, k))
+    _assert_matches(*_case(1, H, 19, 21, 16, seed=23), scale=16 ** -0.5)
 
 
 def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):
@@ -427,6 +441,36 @@ def test_forced_triton_core_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="do not return the attention weights"):
         fused.select_impl("triton", torch.zeros(1, 3, 4, 8, device=DEVICE), weights=True)
     assert fused.select_impl("triton", torch.zeros(1, 3, 4, 8, device=DEVICE)) == ("triton", "forced")
+
+
+def test_a_triton_without_the_kernels_api_is_declined_with_its_version(monkeypatch):
+    """A Triton older than the kernels' API (no triton.knobs, say 3.2) is declined before
+    any launch: the automatic choice names its version, a forced core raises with it."""
+    assert triton_core.unsupported_reason() is None
+    monkeypatch.setattr(triton_core, "triton", None)
+    monkeypatch.setattr(triton_core, "_TRITON_VERSION", "3.2.0")
+    why = triton_core.unsupported_reason()
+    assert "Triton 3.2.0" in why and "3.4 or newer" in why
+    q = torch.zeros(1, 3, 4, 8, device=DEVICE)
+    assert fused._refuses("triton", q, False, None) == why
+    with pytest.raises(ValueError, match="Triton 3.2.0 lacks"):
+        fused.select_impl("triton", q)
+    monkeypatch.setattr(triton_core, "_TRITON_VERSION", None)
+    assert "missing" in triton_core.unsupported_reason()
+
+
+def test_dot_sizes_come_from_the_running_triton():
+    """`dot_min` is what the NVIDIA backend of this Triton states, and the block candidates
+    respect it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import min_dot_size
+    import triton.language as tl
+    for bits, ty in ((16, tl.bfloat16), (32, tl.float32)):
+        assert triton_core.dot_min(bits) == tuple(min_dot_size(GPUTarget("cuda", 90, 32))(ty, ty))
+    rows = max(*triton_core.dot_min(16)[:2], *triton_core.dot_min(32)[:2])
+    for kernel in ("forward_kernel", "backward_query_kernel", "backward_key_kernel"):
+        for H in (3, 6, 12, 16):
+            assert all(min(c["BT"], c["BS"]) >= rows for c in triton_core.block_sizes(H, kernel))
 
 
 # ---------------------------------------------------------------------------- slow tier
