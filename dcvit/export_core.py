@@ -29,14 +29,13 @@ the (B, H, N, N) maps.
   (torch releases before its converter).
 
 Attention dropout in training needs the composed weights as the reference core makes them:
-a training-mode layer with ``attn_drop > 0`` runs the reference core.
+there `select_impl` picks the reference core.
 """
 import functools
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from timm.layers.attention import resolve_self_attn_mask
 from torch import Tensor, nn
 
 from .matrices import RMS_EPS, identity_diagonal
@@ -44,19 +43,19 @@ from .matrices import RMS_EPS, identity_diagonal
 __all__ = ["export_core"]
 
 
-def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[List[Tensor]]:
+def _slot_matrices(core: nn.Module, x: Tensor) -> Optional[List[Tensor]]:
     """Every dynamic slot's Compose matrix, one (B, N, H, H) tensor per slot, or None without
     dynamic slots: ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity (on the
     diagonal with the gate) and the stage's static matrix on the query slots."""
-    dw = layer.dynamic_weights
+    dw = core.dynamic_weights
     if dw is None:
         return None
     B, N, C = x.shape
     G, K, H, R = dw.num_slots, dw.hidden_dim, dw.num_heads, dw.rank
     eye = torch.eye(H, dtype=x.dtype, device=x.device)
-    diag = identity_diagonal(layer.slots.query_slots, G, x.dtype, x.device).unsqueeze(-1)   # (G, 1, 1)
-    statics = {slot: stage.static for stage, slot in ((layer.pre_compose, layer.slots.pre_q),
-                                                      (layer.post_compose, layer.slots.post_q))
+    diag = identity_diagonal(core.slots.query_slots, G, x.dtype, x.device).unsqueeze(-1)   # (G, 1, 1)
+    statics = {slot: stage.static for stage, slot in ((core.pre_compose, core.slots.pre_q),
+                                                      (core.post_compose, core.slots.post_q))
                if stage is not None and slot is not None and stage.static is not None}
     gate_in: Optional[Tensor] = None
     m: Optional[Tensor] = None
@@ -105,20 +104,20 @@ def _compose(a: Tensor, mats: Optional[List[Tensor]], stage: Optional[nn.Module]
     return out
 
 
-def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[List[Tensor]],
+def _attention(core: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[List[Tensor]],
                mask: Optional[Tensor]) -> Tensor:
     """Scores, both Compose stages, softmax and p v on query-major maps: q, k, v (..., H, N, D),
     the slot matrices (..., N, H, H) and an additive mask broadcastable to (B, H, N, N)."""
-    slots = layer.slots
-    a = ((q * layer.scale) @ k.transpose(-2, -1)).transpose(-3, -2)           # (..., T, H, S)
-    a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
+    slots = core.slots
+    a = ((q * core.scale) @ k.transpose(-2, -1)).transpose(-3, -2)           # (..., T, H, S)
+    a = _compose(a, mats, core.pre_compose, slots.pre_q, slots.pre_k)
     if mask is not None:
         mask = mask.to(a.dtype)
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
         a = a + mask.transpose(1, 2)
     a = a.softmax(dim=-1)
-    a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
+    a = _compose(a, mats, core.post_compose, slots.post_q, slots.post_k)
     return a.transpose(-3, -2) @ v                                              # (..., H, T, D)
 
 
@@ -133,23 +132,19 @@ def _onnx_exports_scan() -> bool:
     return hasattr(hop, "higher_order_scan")
 
 
-def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
-                attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
-    """The attention core of a `dcvit.DCMHA` (or converted) layer: q, k, v (B, H, N, D) and
-    the layer input x (B, N, C) -> (B, H, N, D), equal to ``layer._reference_core`` up to
+def export_core(core: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
+                mask: Optional[Tensor]) -> Tensor:
+    """The attention core of a `dcvit.core.DCMHACore`: q, k, v (B, H, N, D), the layer input
+    x (B, N, C) and an additive mask -> (B, H, N, D), equal to ``core.reference`` up to
     rounding."""
-    if layer.training and layer.attn_drop.p > 0:
-        w1, w2, dd = layer.dynamic_weights(x) if layer.dynamic_weights is not None else (None, None, None)
-        return layer._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
-    mats = _slot_matrices(layer, x.to(q.dtype))
-    mask = resolve_self_attn_mask(q.shape[2], q, attn_mask, is_causal)
+    mats = _slot_matrices(core, x.to(q.dtype))
     if mask is not None or not torch.onnx.is_in_onnx_export() or not _onnx_exports_scan():
-        return _attention(layer, q, k, v, mats, mask)
+        return _attention(core, q, k, v, mats, mask)
     from torch._higher_order_ops.scan import scan
 
     def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
         # scan needs a carry (an unused scalar), returned as a new tensor: no output may alias an input
-        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], xs[3:] or None, None)
+        return carry.clone(), _attention(core, xs[0], xs[1], xs[2], xs[3:] or None, None)
 
     _, out = scan(sample, q.new_zeros(()), [q, k, v] + (mats or []))
     return out

@@ -64,9 +64,10 @@ from .kernels import compose_cpu
 from .matrices import ComposeMatrices, mix, mix_fusable
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "composed_attention",
-           "composed_attention_compile", "attention_macs", "CUDA_MEASURED"]
+           "composed_attention_compile", "attention_macs"]
 
-IMPLS = ("auto", "reference", "cpp", "triton", "compile")
+# "auto" (choose) and every core `select_impl` can return.
+IMPLS = ("auto", "reference", "cpp", "triton", "compile", "export")
 
 _KERNEL_CORES = ("cpp", "triton")   # the cores that run through the custom op
 
@@ -90,8 +91,7 @@ def attention_impl(name: str) -> Iterator[None]:
 
 def _check_impl(name: str) -> None:
     if name not in IMPLS:
-        hint = " ('torch' was removed: 'compile' is the plain-PyTorch core)" if name == "torch" else ""
-        raise ValueError(f"unknown DCMHA attention implementation {name!r}; choose one of {IMPLS}{hint}")
+        raise ValueError(f"unknown DCMHA attention implementation {name!r}; choose one of {IMPLS}")
 
 
 def _is_fx_tracing() -> bool:
@@ -114,21 +114,26 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
     needs a differentiable core). Returns ``(core, reason)``, the reason a short sentence.
 
     ``torch.export`` (ONNX export, AOTInductor) -> ``export`` (`dcvit.export_core`: standard
-    ops arranged for inference engines) unless ``reference`` (the paper's graph) or ``cpp``
-    (the C++ custom op kept in the program) is forced. Tracing (``torch.jit.trace``, FX) ->
-    ``reference`` whatever is forced, so that the trace records every op of the spec; meta
-    tensors likewise (shapes only). Otherwise the forced core (`attention_impl`,
-    then the layer's ``attn_impl``): a forced kernel that cannot take the inputs raises
-    ``ValueError`` with the reason. ``auto``: the weights or a mask gradient -> ``compile``;
-    CPU -> ``cpp`` when the kernel is built and takes the inputs (also inside
-    ``torch.compile``: a custom op the graph keeps); CUDA -> the core measured fastest on
-    this GPU (`CUDA_MEASURED`), else inside ``torch.compile`` ``compile``, else ``triton``
-    when it takes the inputs and its kernels pass their one-time check on this device
-    (`triton_core.works_on`); everything else -> ``compile``.
+    ops arranged for inference engines; ``reference`` when the weights are needed) unless
+    ``reference`` (the paper's graph) or ``cpp`` (the C++ custom op kept in the program) is
+    forced. Tracing (``torch.jit.trace``, FX) -> ``reference`` whatever is forced, so that the
+    trace records every op of the spec; meta tensors likewise (shapes only). Otherwise the
+    forced core (`attention_impl`, then the layer's ``attn_impl``): a forced kernel that
+    cannot take the inputs raises ``ValueError`` with the reason; a forced ``export`` runs
+    its graph in eager mode. ``auto``: the weights or a mask gradient -> ``compile``; CPU ->
+    ``cpp`` when the kernel is built and takes the inputs (also inside ``torch.compile``: a
+    custom op the graph keeps); CUDA -> inside ``torch.compile`` ``compile``, else
+    ``triton`` when it takes the inputs and its kernels pass their one-time check on this
+    device (`triton_core.works_on`); everything else -> ``compile``.
+
+    The core also fixes how its per-token matrices are built (`dcvit.core.DCMHACore.matrices`):
+    by the C++ kernel for ``cpp``, in PyTorch for the others.
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
     if _is_exporting() and name not in ("reference", "cpp"):
+        if weights:
+            return "reference", "exported in training with attention dropout: the weights themselves"
         return "export", "exported: standard ops arranged for inference engines (dcvit.export_core)"
     if _is_fx_tracing() or torch.jit.is_tracing():
         return "reference", "traced: the trace records every op of the spec"
@@ -142,6 +147,8 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
             raise ValueError(f"DCMHA's attention core {name!r} cannot run here: {why}; force "
                              "'compile' or 'reference', or let 'auto' choose")
         return name, "forced"
+    if name == "export" and weights:
+        return "reference", "forced 'export', but the attention weights themselves are needed"
     if name != "auto":
         return name, "forced"
     if weights:
@@ -150,11 +157,8 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
         return "compile", "the mask requires grad (the kernels return no mask gradient)"
     compiling = torch.compiler.is_compiling()
     if q.device.type == "cuda":
-        measured = _cuda_measured(q, "compile" if compiling else "eager")
-        if measured and not (measured in _KERNEL_CORES and _refuses(measured, q, weights, mask)):
-            return measured, f"measured fastest on {torch.cuda.get_device_name(q.device)}"
         if compiling:
-            return "compile", "inside torch.compile on a GPU without figures: inductor fuses the plain maths"
+            return "compile", "inside torch.compile on a GPU: inductor fuses the plain maths"
         why = _refuses("triton", q, weights, mask)
         if why is None and not _triton().works_on(q):
             why = "the Triton kernels failed their one-time check on this device (see the warning)"
@@ -195,24 +199,6 @@ def _refuses(core: str, q: Tensor, weights: bool, mask: Optional[Tensor]) -> Opt
         return f"the Triton kernels take float32/bfloat16/float16, got {q.dtype}"
     if H > triton_core.MAX_HEADS:
         return f"{H} heads, more than the Triton kernels' {triton_core.MAX_HEADS}"
-    return None
-
-
-# The CUDA cores chosen from `scripts/gpu_check.sh` figures (the fastest training step at
-# bf16, batch 256, for DCViT-S/16 and B/16), by GPU: a substring of
-# torch.cuda.get_device_name() -> {"eager": core, "compile": core}. A GPU without an entry
-# gets the safest core (docs/performance.md, "On CUDA").
-CUDA_MEASURED: Dict[str, Dict[str, str]] = {}
-
-
-def _cuda_measured(q: Tensor, mode: str) -> Optional[str]:
-    """The core measured fastest on q's GPU in ``mode`` ("eager" or "compile"), or None."""
-    if not CUDA_MEASURED:
-        return None
-    name = torch.cuda.get_device_name(q.device)
-    for key, cores in CUDA_MEASURED.items():
-        if key in name and mode in cores:
-            return cores[mode]
     return None
 
 

@@ -19,7 +19,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 from torch import Tensor
 
-from .kernels import compose_cpu
+from .kernels import compose_cpu  # noqa: F401  (loads the dcvit_cpu operators)
 
 __all__ = ["ComposeSlots", "ComposeMatrices", "compose_stage_macs", "slot_matrices",
            "slot_matrices_from_projections", "stage_matrices", "rms_normalize", "RMS_EPS", "mix",
@@ -169,15 +169,16 @@ _slots_op.register_autograd(_slots_grad, setup_context=_slots_setup)
 
 
 def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slots: List[int],
-                                   dtype: torch.dtype) -> Tensor:
+                                   dtype: torch.dtype, cpp: bool = False) -> Tensor:
     """Every slot's dynamic matrix from the raw projections, in ``dtype``; differentiable.
 
     w (B, N, G, 2R, H): ``w1, w2 = w.split(R, -2)`` before the RMS norm of w1; dd (B, N, G, H)
-    or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; on CPU
-    the C++ kernel does it in one pass (one op, ``dcvit::slot_matrices``, instead of a dozen
-    on tiny tensors).
+    or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; with
+    ``cpp`` (the C++ core runs: CPU tensors, float32/float64, the kernels built) the C++
+    kernel does it in one pass (one op, ``dcvit::slot_matrices``, instead of a dozen on tiny
+    tensors).
     """
-    if w.device.type == "cpu" and dtype in (torch.float32, torch.float64) and compose_cpu.available():
+    if cpp:
         return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(),
                          list(identity_slots))
     w1, w2 = w.split(w.shape[-2] // 2, dim=-2)

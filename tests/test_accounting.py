@@ -117,7 +117,7 @@ def test_dcvit_small_params_and_analytic_formula(dcvit_small, vit_small):
     rows = {row["module"]: row for row in module_table(acc)}
     for name in ("dynamic_weights", "pre_compose", "post_compose"):
         assert rows[f"blocks.*.attn.{name}"]["macs"] == parts[name] > 0
-    assert rows["blocks.*.attn.dynamic_weights"]["params"] == depth * per_layer
+    assert rows["blocks.*.attn.core.dynamic_weights"]["params"] == depth * per_layer
     extra = acc.macs / base.macs - 1
     assert 0.03 < extra < 0.04, f"DCViT-S extra MACs {extra:.2%}, docs/spec.md §3 expects about +3-4 %"
     assert analytic_macs(model_base)["total"] == base.macs
@@ -169,7 +169,7 @@ def test_module_table_collapses_blocks_and_keeps_overhead_rows():
     model = timm.create_model("dcvit_tiny_patch16_224", **SMALL)
     acc = account(model)
     collapsed = {row["module"]: row for row in module_table(acc, max_depth=2)}
-    assert "blocks.*.attn.dynamic_weights" in collapsed            # deeper than 2, always shown
+    assert "blocks.*.attn.core.dynamic_weights" in collapsed            # deeper than 2, always shown
     assert "blocks.*.attn.qkv" not in collapsed
     full = {row["module"]: row for row in module_table(acc, collapse_blocks=False)}
     for kind in ("dynamic_weights", "pre_compose", "post_compose"):

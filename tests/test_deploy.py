@@ -50,7 +50,7 @@ def test_fx_symbolic_trace_is_bit_equal_to_eager(name):
     x = torch.randn(2, 3, 32, 32)
     graph = symbolic_trace(model)
     assert fused.select_impl("auto", x)[0] != "reference"    # eager runs a fast core here
-    cores = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ == "_eager_core"]
+    cores = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ == "run_core"]
     assert len(cores) == 2                                # one call per DCMHA block
     out, grads = _grads(model, x)
     fx_out, fx_grads = _grads(graph, x)
@@ -99,7 +99,7 @@ def test_fvcore_counts_on_the_reference_graph():
     model = _model().eval()
     flops = FlopCountAnalysis(model, torch.randn(1, 3, 32, 32))
     flops.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
-    assert flops.by_module()["blocks.0.attn.pre_compose"] > 0
+    assert flops.by_module()["blocks.0.attn.core.pre_compose"] > 0
 
 
 # ---------------------------------------------------------------------- TorchScript

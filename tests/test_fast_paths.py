@@ -41,10 +41,10 @@ def _layer(dim=24, heads=3, dtype=torch.float64, seed=0, std=0.3, **options):
     torch.manual_seed(seed)
     layer = dcvit.DCMHA(dim, heads, qkv_bias=True, **options).to(dtype)
     with torch.no_grad():
-        if layer.dynamic_weights is not None:
-            for p in layer.dynamic_weights.parameters():
+        if layer.core.dynamic_weights is not None:
+            for p in layer.core.dynamic_weights.parameters():
                 p.normal_(0, std)
-        for stage in (layer.pre_compose, layer.post_compose):
+        for stage in (layer.core.pre_compose, layer.core.post_compose):
             if stage is not None and stage.static is not None:
                 stage.static.normal_(0, std)
     return layer
@@ -122,13 +122,13 @@ def test_compose_slots_follow_the_options(options, slots):
     """One ComposeSlots per layer: the slot of each (stage, side) on the dynamic weights' axis,
     and the plain fields the forward reads, taken from it once at construction."""
     layer = dcvit.DCMHA(24, 3, **options)
-    assert tuple(layer.slots) == slots
-    count = 0 if layer.dynamic_weights is None else layer.dynamic_weights.num_slots
-    assert layer.slots.count == count == sum(s is not None for s in slots)
-    assert layer.slots.stage("post") == slots[2:]
-    assert layer.slots.query_slots == [s for s in (slots[0], slots[2]) if s is not None]
-    assert (layer.pre_slots, layer.post_slots) == (slots[:2], slots[2:])
-    assert layer.identity_slots == layer.slots.query_slots
+    assert tuple(layer.core.slots) == slots
+    count = 0 if layer.core.dynamic_weights is None else layer.core.dynamic_weights.num_slots
+    assert layer.core.slots.count == count == sum(s is not None for s in slots)
+    assert layer.core.slots.stage("post") == slots[2:]
+    assert layer.core.slots.query_slots == [s for s in (slots[0], slots[2]) if s is not None]
+    assert (layer.core.pre_slots, layer.core.post_slots) == (slots[:2], slots[2:])
+    assert layer.core.identity_slots == layer.core.slots.query_slots
 
 
 # ------------------------------------------------------------------- layer vs reference
@@ -372,7 +372,7 @@ def test_auto_dispatch_and_forcing():
             pass
     with pytest.raises(ValueError, match="'torch' was removed: 'compile' is the plain-PyTorch core"):
         fused.select_impl("torch", x)
-    layer.attn_impl = "nope"
+    layer.core.attn_impl = "nope"
     with pytest.raises(ValueError, match="'nope'"):
         layer(torch.randn(1, 5, 24))
 
@@ -536,7 +536,7 @@ def test_attention_maps_use_reference_core():
                               num_classes=0)
     for m in model.modules():
         if isinstance(m, dcvit.DCMHA):
-            m.attn_impl = "compile"
+            m.core.attn_impl = "compile"
     maps = dcvit.attention_maps(model, torch.randn(1, 3, 32, 32))
     assert len(maps) == 2 and maps[0]["scores_before"].shape == (1, 3, 5, 5)
     assert maps[0]["weights_after"].shape == (1, 3, 5, 5)
@@ -646,7 +646,7 @@ def test_jit_trace_ignores_a_forced_fast_core(forced):
     layer = dcvit.DCMHA(12, 3).eval()
     x = torch.randn(1, 5, 12)
     if forced == "layer":
-        layer.attn_impl = "compile"
+        layer.core.attn_impl = "compile"
         traced = torch.jit.trace(layer, x, check_trace=False)
     else:
         with attention_impl("compile"):

@@ -57,7 +57,7 @@ def test_converted_model_evaluates_as_the_pretrained_one(data, pretrained, tmp_p
     plain, dc = _json(tmp_path / "plain" / "eval.json"), _json(tmp_path / "dc" / "eval.json")
     assert dc["top1"] == plain["top1"] and dc["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     assert plain["convert"] is None and dc["convert"] == {"layers": None, "options": {"rank": 1}}
-    assert "6 DCMHA tensors keep their initialisation: blocks.0.attn.dynamic_weights.dw1" in caplog.text
+    assert "6 DCMHA tensors keep their initialisation: blocks.0.attn.core.dynamic_weights.dw1" in caplog.text
 
 
 def test_fine_tune_from_pretrained_file_then_eval_and_resume(data, pretrained, tmp_path, capsys):
@@ -69,7 +69,7 @@ def test_fine_tune_from_pretrained_file_then_eval_and_resume(data, pretrained, t
     groups = state["optimizer"]["param_groups"]
     dc = [g for g in groups if g.get("lr_scale") == 10]
     assert len(dc) == 1 and dc[0]["weight_decay"] == 0
-    assert any(k.endswith("attn.dynamic_weights.qkw") for k in state["model"])
+    assert any(k.endswith("attn.core.dynamic_weights.qkw") for k in state["model"])
     # Evaluating the converted run's checkpoint needs no convert.* settings: the checkpoint has them.
     assert _run(data, tmp_path / "ev", "--eval-only", f"checkpoint={list_checkpoints(str(run))[-1]}") == 0
     assert _json(tmp_path / "ev" / "eval.json")["top1"] == _json(run / "eval.json")["top1"]
