@@ -11,9 +11,8 @@ core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Four *core
 * ``"cpp"``: the C++ kernels (`dcvit.kernels.compose_cpu`, operators ``dcvit_cpu::*``), CPU:
   the whole core, products included, flash-style per batch element and block of queries;
   float32/float64 (bfloat16/float16 operands are computed in float32 and cast back);
-* ``"triton"``: Triton kernels (`dcvit.kernels.triton_core`), CUDA (CPU tensors only under
-  Triton's interpreter): the whole core, forward and backward; the forward keeps each
-  head's row log-sum-exp for the backward;
+* ``"triton"``: Triton kernels (`dcvit.kernels.triton_core`), CUDA: the whole core, forward
+  and backward; the forward keeps each head's row log-sum-exp for the backward;
 * ``"compile"``: plain differentiable PyTorch on the merged matrices
   (`composed_attention_compile`), for ``torch.compile`` graphs to fuse, and the core of every
   case no kernel takes: the attention weights themselves (attention dropout in training),
@@ -30,7 +29,7 @@ matrices and whatever statistics the core keeps, recomputes the (B, H, T, S) map
 backward, and ``torch.compile`` keeps it as one node. Its autograd and fake-tensor rules are
 written once; a device's kernels for one core are plugged in with `register_core`, from
 this module (kernels never import it): the C++ core for ``"cpu"``, the Triton core for
-``"cuda"`` (and ``"cpu"``, where it runs only under the interpreter)::
+``"cuda"`` (the tests add ``"cpu"``, where it runs under Triton's interpreter)::
 
     register_core("cuda", "triton", forward, backward, stats)
     # forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> (out (B, T, H, D), stats or None)
@@ -193,8 +192,8 @@ def _refuses(core: str, q: Tensor, weights: bool, mask: Optional[Tensor]) -> Opt
     triton_core = _triton()
     if not triton_core.available():
         return "the triton package is missing or too old"
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and triton_core.interpreted()):
-        return f"the Triton kernels run on CUDA tensors (CPU only under TRITON_INTERPRET=1), got {q.device.type}"
+    if q.device.type != "cuda" and not (triton_core.interpreted() and (q.device.type, "triton") in _CORES):
+        return f"the Triton kernels run on CUDA tensors, got {q.device.type}"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"the Triton kernels take float32/bfloat16/float16, got {q.dtype}"
     if H > triton_core.MAX_HEADS:
@@ -436,10 +435,9 @@ def _triton_stats(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return q.new_empty(B, H, T, dtype=torch.float32)
 
 
-# The Triton core on CUDA, and on CPU tensors under Triton's interpreter (elsewhere its
-# forward raises an error that names the fix). Triton itself is imported on first use.
-for _device in ("cuda", "cpu"):
-    register_core(_device, "triton", _triton_forward, _triton_backward, _triton_stats)
+# The Triton core on CUDA (Triton itself is imported on first use). The tests also register
+# it for CPU tensors, which it takes under Triton's interpreter (tests/conftest.py).
+register_core("cuda", "triton", _triton_forward, _triton_backward, _triton_stats)
 
 
 # ------------------------------------------------------------------------------ the cores

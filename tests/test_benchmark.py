@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dcvit.benchmark import run
+from dcvit.bench.benchmark import run
 
 TINY = ["--model", "dcvit_tiny_patch16_224", "--img-size", "32", "--depth", "1", "--batch-size", "2",
         "--steps", "1", "--warmup", "0", "--no-compile"]

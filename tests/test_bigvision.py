@@ -18,15 +18,12 @@ from dcvit.attention import DCMHA, DCMHAOptions
 from dcvit.bigvision import BigVisionViT, posemb_sincos_2d
 from dcvit.bigvision_npz import load_bigvision_npz, read_npz
 from dcvit.fused import attention_impl
-from dcvit.kernels import compose_cpu, triton_core
+from attention_cores import CORES, device_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_SIZE = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0,
                     num_classes=10)
 SMALL = dict(img_size=32, depth=2)
-# Every attention core that runs here (Triton in its interpreter without CUDA, see conftest.py).
-CPU_CORES = (["reference", "compile"] + (["cpp"] if compose_cpu.available() else [])
-             + (["triton"] if triton_core.available() else []))
 BV = ["vit_tiny_patch16_bv_224", "vit_small_patch16_bv_224", "vit_medium_patch16_bv_224",
       "vit_base_patch16_bv_224"]
 DCBV = ["dc" + name for name in BV]
@@ -54,15 +51,16 @@ def test_fixture_is_from_the_authors_commit_and_compose_matters():
     assert float(io["compose_effect"]) > 0.2          # zeroing the dynamic weights moves the logits > 20 %
 
 
-@pytest.mark.parametrize("impl", CPU_CORES)
+@pytest.mark.parametrize("impl", CORES)
 @pytest.mark.parametrize("tag,name", [("dc", "dcvit_small_patch16_bv_224"),
                                       ("vit", "vit_small_patch16_bv_224"),
                                       ("flax", "vit_small_patch16_bv_224")])
 def test_logits_equal_the_authors_flax_model(tag, name, impl):
     x, io = fixture_input()
-    model = fixture_model(tag, name)
+    device = device_for(impl)
+    model = fixture_model(tag, name).to(device)
     with torch.no_grad(), attention_impl(impl):
-        out = model(x).numpy()
+        out = model(x.to(device)).cpu().numpy()
     ref = io[f"logits_{tag}"]
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
 

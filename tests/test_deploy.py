@@ -24,10 +24,11 @@ def _model(name="dcvit_tiny", **kwargs):
 
 
 def _grads(model, x):
-    """Output and the gradients of its sum w.r.t. the input and every parameter."""
+    """Output and the gradients of its sum w.r.t. the input and every parameter (by name: a
+    traced graph may hold the parameters in another order)."""
     x = x.clone().requires_grad_(True)
     out = model(x)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
     return out, torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(),
                                     [x, *params])
 
@@ -151,7 +152,7 @@ def _onnx_export(model, x, path):
 @pytest.mark.slow
 def test_onnx_export_runs_in_onnxruntime(tmp_path):
     import onnxruntime as ort
-    from dcvit.export_bench import onnx_ops
+    from dcvit.bench.export import onnx_ops
     model = _model().eval()
     path = tmp_path / "dcvit.onnx"
     if _onnx_export(model, torch.randn(2, 3, 32, 32), path):

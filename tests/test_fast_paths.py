@@ -233,13 +233,13 @@ def test_cpp_slot_matrices_equal_formula(rank, with_gate):
     want = want + torch.stack([eye * (g_ in identity) for g_ in range(G)]).view(1, 1, G, H, H)
     if dd is not None:
         want = want + torch.diag_embed(dd)
-    got = matrices.slot_matrices_from_projections(w, dd, identity, torch.float64)
+    got = matrices.slot_matrices_from_projections(w, dd, identity, torch.float64, cpp=True)
     assert "dcvit_slot_matrices" in type(got.grad_fn).__name__                  # the C++ op ran
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     inputs = (w, dd) if dd is not None else (w,)
     assert torch.autograd.gradcheck(
         lambda *a: matrices.slot_matrices_from_projections(a[0], a[1] if len(a) > 1 else None, identity,
-                                                        torch.float64), inputs)
+                                                        torch.float64, cpp=True), inputs)
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
@@ -370,7 +370,7 @@ def test_auto_dispatch_and_forcing():
     with pytest.raises(ValueError, match="unknown DCMHA attention implementation 'fast'"):
         with attention_impl("fast"):
             pass
-    with pytest.raises(ValueError, match="'torch' was removed: 'compile' is the plain-PyTorch core"):
+    with pytest.raises(ValueError, match="unknown DCMHA attention implementation 'torch'; choose one of"):
         fused.select_impl("torch", x)
     layer.core.attn_impl = "nope"
     with pytest.raises(ValueError, match="'nope'"):

@@ -1,7 +1,8 @@
-"""Step timers shared by ``dcvit-bench`` and ``dcvit-report`` (method: docs/spec.md §5).
+"""The step timer of every measurement: ``dcvit-bench`` (eager, compiled, ONNX Runtime,
+AOTInductor) and ``dcvit-report`` (method: docs/spec.md §5).
 
-A figure is a median over timed steps after untimed warm-up steps; a comparison times two
-steps alternately (A, B, then B, A, ...) in one process, so both see the same machine load.
+A figure is a median over timed steps after untimed warm-up steps; a comparison times its
+runs alternately (A, B, then B, A, ...) in one process, so all see the same machine load.
 CUDA work is synchronised before each clock reading.
 """
 import statistics
@@ -10,7 +11,7 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-__all__ = ["sync", "time_steps", "time_pair"]
+__all__ = ["sync", "time_steps", "time_alternately", "time_pair"]
 
 
 def sync(device: torch.device) -> None:
@@ -33,25 +34,36 @@ def time_steps(step: Callable[[], None], device: torch.device, warmup: int, step
     return times
 
 
+def time_alternately(runs: Dict[str, Callable[[], Any]], device: torch.device, warmup: int, steps: int,
+                     settle_s: float = 0.0) -> Dict[str, List[float]]:
+    """Seconds of each run, timed in turn (the order reversed every other round: AB, BA, ...),
+    after ``warmup`` untimed rounds; each timed run after a ``settle_s`` pause (so that one
+    ONNX Runtime session's spinning threads do not run into the next one's time)."""
+    names = list(runs)
+    for _ in range(warmup):
+        for n in names:
+            runs[n]()
+    sync(device)
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    for i in range(steps):
+        for n in (names if i % 2 == 0 else names[::-1]):
+            if settle_s:
+                time.sleep(settle_s)
+            start = time.perf_counter()
+            runs[n]()
+            sync(device)
+            times[n].append(time.perf_counter() - start)
+    return times
+
+
 def time_pair(step_a: Callable[[], None], step_b: Callable[[], None], device: torch.device,
               warmup: int, steps: int) -> Dict[str, Any]:
-    """Time A and B alternately (AB, BA, AB, ...), after ``warmup`` untimed steps of each.
+    """Time A and B alternately (`time_alternately`).
 
     Returns median milliseconds (``dcvit_ms`` for A, ``vit_ms`` for B), the ratio of the
     medians ``ratio`` = B / A (A's throughput relative to B's) and every step's time.
     """
-    for _ in range(warmup):
-        step_a()
-        step_b()
-    sync(device)
-    times: Dict[str, List[float]] = {"a": [], "b": []}
-    for i in range(steps):
-        order = (("a", step_a), ("b", step_b)) if i % 2 == 0 else (("b", step_b), ("a", step_a))
-        for key, fn in order:
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times[key].append(time.perf_counter() - start)
+    times = time_alternately({"a": step_a, "b": step_b}, device, warmup, steps)
     med_a, med_b = statistics.median(times["a"]), statistics.median(times["b"])
     pair = [b / a for a, b in zip(times["a"], times["b"])]
     return {"dcvit_ms": med_a * 1e3, "vit_ms": med_b * 1e3, "ratio": med_b / med_a,

@@ -7,7 +7,7 @@ have query- and key-wise matrices; the core runs through its custom op,
 (``torch.nn.functional.scaled_dot_product_attention``, what timm's ViT runs) for comparison.
 Usage::
 
-    python scripts/bench_core.py [--impl cpp|sdpa] [--threads 1] [--repeats 15] [-B 16] [-N 197] [--heads 6] [-D 64]
+    python -m dcvit.bench.core [--impl cpp|sdpa] [--threads 1] [--repeats 15] [-B 16] [-N 197] [--heads 6] [-D 64]
 """
 import argparse
 import json
