@@ -18,6 +18,7 @@ both Compose stages into one kernel and never call these modules. `dcvit.attenti
 forces the reference core itself; around your own hooks use
 ``with dcvit.attention_impl("reference"): model(x)``.
 """
+import contextlib
 import math
 from typing import List, Optional, Tuple
 
@@ -64,13 +65,15 @@ class DynamicWeights(nn.Module):
 
         hidden = gelu(einsum('bnc,cgk->bngk', x, dw1))      # (B, N, G, K), K = 4H (hidden_width)
         hidden = dropout(hidden)                             # dynamic_drop (default 0)
-        w      = einsum('bngk,gkih->bngih', hidden, qkw)     # (B, N, G, 2R, H)
+        w      = einsum('bngk,gkih->bngih', hidden, qkw)     # (B, N, G, 2R, H)  (one GEMM)
         w1, w2 = w.split(R, dim=-2)                          # (B, N, G, R, H) each
         w1     = w1 * rsqrt(mean_h(w1^2) + 1e-6)             # RMS-norm over heads
         dd     = dropout(tanh(x @ dd_w)).view(B, N, G, H)    # (B, N, G, H)
 
     ``gelu`` is exact (``dynamic_act="gelu"``) or tanh-approximate (``"gelu_tanh"``).
-    (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist.) Returns ``(w1, w2, dd)``;
+    (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist; the second projection of
+    every slot is one GEMM with a block-diagonal matrix.) The export core
+    (`dcvit.export_core`) and every other core take the weights from here. Returns ``(w1, w2, dd)``;
     ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is None without
     ``dynamic_gate``. With ``raw=True`` it returns ``(w, None, dd)``, ``w`` the projections
     (B, N, G, 2R, H) before the split and the norm (the fast attention cores build the
@@ -116,22 +119,24 @@ class DynamicWeights(nn.Module):
         w1: Optional[Tensor] = None
         w2: Optional[Tensor] = None
         dd: Optional[Tensor] = None
-        G, K, H = self.num_slots, self.hidden_dim, self.num_heads
+        G, K, H, R = self.num_slots, self.hidden_dim, self.num_heads, self.rank
         gate_in: Optional[Tensor] = None
         if self.dw1 is not None and self.qkw is not None:
             if self.dd_w is not None:                        # both input projections in one GEMM
                 y = x @ torch.cat([self.dw1.reshape(C, G * K), self.dd_w], dim=1)   # (B, N, GK + GH)
-                hidden = F.gelu(y[..., :G * K], approximate=self.approximate).reshape(B, N, G, K)
-                gate_in = y[..., G * K:]
+                hidden, gate_in = y[..., :G * K], y[..., G * K:]
             else:
-                hidden = F.gelu(torch.einsum("bnc,cgk->bngk", x, self.dw1),      # (B, N, G, K)
-                                approximate=self.approximate)
-            hidden = self.drop(hidden)
-            w = torch.einsum("bngk,gkih->bngih", hidden, self.qkw)              # (B, N, G, 2R, H)
+                hidden = x @ self.dw1.reshape(C, G * K)                          # (B, N, GK)
+            hidden = self.drop(F.gelu(hidden, approximate=self.approximate))
+            # every slot's second projection as one block-diagonal GEMM (no einsum: an
+            # exported graph holds MatMuls only)
+            eye = torch.eye(G, dtype=self.qkw.dtype, device=self.qkw.device)
+            qkw = (eye.view(G, 1, G, 1) * self.qkw.reshape(G, K, 1, 2 * R * H)).reshape(G * K, G * 2 * R * H)
+            w = (hidden @ qkw).reshape(B, N, G, 2 * R, H)                        # (B, N, G, 2R, H)
             if raw:
                 w1 = w
             else:
-                w1, w2 = w.split(self.rank, dim=-2)                              # (B, N, G, R, H)
+                w1, w2 = w.split(R, dim=-2)                                      # (B, N, G, R, H)
                 w1 = rms_normalize(w1)
         if self.dd_w is not None:
             if gate_in is None:
@@ -295,7 +300,9 @@ class DCMHACore(nn.Module):
         outside autocast, from the dynamic weights (made under it): (B, N, G, H, H) per slot."""
         w, _, dd = self.dynamic_weights(x, raw=True) if self.dynamic_weights is not None else (None, None, None)
         dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        with torch.autocast(q.device.type, enabled=False):
+        # (an exported graph records no autocast region; export runs without autocast)
+        outside = contextlib.nullcontext() if impl == "export" else torch.autocast(q.device.type, enabled=False)
+        with outside:
             if w is not None:
                 m = slot_matrices_from_projections(w, dd, self.identity_slots, dtype, impl == "cpp")
             else:

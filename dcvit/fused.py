@@ -63,7 +63,7 @@ from .kernels import compose_cpu
 from .matrices import ComposeMatrices, mix, mix_fusable
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "composed_attention",
-           "composed_attention_compile", "attention_macs"]
+           "composed_attention_compile", "attention_with_matrices", "attention_macs"]
 
 # "auto" (choose) and every core `select_impl` can return.
 IMPLS = ("auto", "reference", "cpp", "triton", "compile", "export")
@@ -470,16 +470,39 @@ def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: 
     """The core in plain differentiable PyTorch (the ``"compile"`` core): (B, H, T, D), or the
     composed weights (B, H, T, S) when ``v`` is None.
 
-    Inside ``torch.compile`` each Compose stage is a sum of broadcast products
-    (`dcvit.matrices.mix_fusable`) that inductor fuses into one loop nest; in eager mode the
-    batched matmuls of `dcvit.matrices.mix` (fewer, smaller temporaries saved for backward).
+    In eager mode `attention_with_matrices` (the formulation the export core runs too); inside
+    ``torch.compile`` each Compose stage is a sum of broadcast products on head-major maps
+    (`dcvit.matrices.mix_fusable`) that inductor fuses into one loop nest.
     """
-    mixer = mix_fusable if torch.compiler.is_compiling() else mix
+    if not torch.compiler.is_compiling():
+        return attention_with_matrices(q, k, v, mask, mats, scale)
     a = (q * scale) @ k.transpose(-2, -1)                                    # (B, H, T, S)
     for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
         if mq is not None:
-            a = mixer(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
+            a = mix_fusable(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
         if softmax:
             a = a if mask is None else a + mask
             a = a.softmax(dim=-1)
+    return a if v is None else a.to(v.dtype) @ v
+
+
+def attention_with_matrices(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                            mats: ComposeMatrices, scale: float = 1.0) -> Tensor:
+    """Scores, both Compose stages (`dcvit.matrices.mix`), softmax and p v on query-major maps
+    (..., T, H, S), so that softmax runs on the last axis: q, k, v (..., H, N, D) (leading
+    axes: the batch, or none for one sample), the matrices of `ComposeMatrices` with the same
+    leading axes, an additive mask broadcastable to (B, H, T, S) -> (..., H, T, D), or the
+    composed weights (..., H, T, S) when ``v`` is None."""
+    a = ((q * scale) @ k.transpose(-2, -1)).transpose(-3, -2)                # (..., T, H, S)
+    for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
+        if mq is not None:
+            a = mix(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
+        if softmax:
+            if mask is not None:
+                m = mask.to(a.dtype)
+                while m.dim() < 4:
+                    m = m.unsqueeze(0)
+                a = a + m.transpose(1, 2)                                    # (B|1, T, H|1, S)
+            a = a.softmax(dim=-1)
+    a = a.transpose(-3, -2)                                                  # (..., H, T, S)
     return a if v is None else a.to(v.dtype) @ v

@@ -107,7 +107,10 @@ def test_merged_matrices_equal_compose(rank, branches):
     mq, mk = compose_matrices(H, args["qw1"], args["qw2"], args["kw1"], args["kw2"], args["qdd"],
                               args["kdd"], args["static"], torch.float64)
     expected = compose(a, **args)
-    torch.testing.assert_close(mix(a, mq, mk), expected, atol=1e-12, rtol=0)
+    query_major = mix(a.transpose(1, 2), mq, mk).transpose(1, 2)             # mix: (B, T, H, S)
+    torch.testing.assert_close(query_major, expected, atol=1e-12, rtol=0)
+    one_sample = mix(a[1].transpose(0, 1), mq[min(1, mq.shape[0] - 1)], None if mk is None else mk[1])
+    torch.testing.assert_close(one_sample.transpose(0, 1), expected[1], atol=1e-12, rtol=0)
     torch.testing.assert_close(matrices.mix_fusable(a, mq, mk), expected, atol=1e-12, rtol=0)
 
 
