@@ -1,5 +1,5 @@
 """The step timer of every measurement: ``dcvit-bench`` (eager, compiled, ONNX Runtime,
-AOTInductor) and ``dcvit-report`` (method: docs/spec.md §5).
+AOTInductor), ``python -m dcvit.bench.core`` and ``dcvit-report`` (method: docs/spec.md §5).
 
 A figure is a median over timed steps after untimed warm-up steps; a comparison times its
 runs alternately (A, B, then B, A, ...) in one process, so all see the same machine load.
@@ -20,17 +20,19 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> List[float]:
-    """Seconds of each of ``steps`` calls of ``step``, after ``warmup`` untimed calls."""
+def time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int,
+               clock: Callable[[], float] = time.perf_counter) -> List[float]:
+    """Seconds of each of ``steps`` calls of ``step``, after ``warmup`` untimed calls, read on
+    ``clock`` (wall time; ``time.process_time``, this process's CPU time, on a busy machine)."""
     for _ in range(warmup):
         step()
     sync(device)
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = clock()
         step()
         sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return times
 
 
