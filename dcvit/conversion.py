@@ -20,9 +20,10 @@ Supported attention modules (`SUPPORTED`):
   Encoder ``vit_pe_*``; grouped-query attention included) -> `DCAttentionRope`.
 * ``timm.models.swin_transformer.WindowAttention`` (Swin) -> `DCWindowAttention`.
 
-The last three keep timm's class and its forward up to the attention core (a copy of timm's
-code, held against timm at ``init="identity"`` under every flag it reads), and own DCMHA's
-core as ``core`` (`ComposeCore`).
+The last three are modules of their own, built by composition: each takes timm's layer's
+submodules and settings, runs timm's forward up to the attention core (a copy of timm's
+code, held against timm at ``init="identity"`` under every flag it reads), and holds DCMHA's
+core as ``core`` (`dcvit.core.DCMHACore`), as `dcvit.DCMHA` does.
 
 Where position terms and masks sit. DCMHA composes ``scale * q k^T`` (pre-compose), then
 adds the mask, softmaxes and composes the weights (post-compose) (docs/spec.md §1.3: masks
