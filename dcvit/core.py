@@ -65,14 +65,14 @@ class DynamicWeights(nn.Module):
 
         hidden = gelu(einsum('bnc,cgk->bngk', x, dw1))      # (B, N, G, K), K = 4H (hidden_width)
         hidden = dropout(hidden)                             # dynamic_drop (default 0)
-        w      = einsum('bngk,gkih->bngih', hidden, qkw)     # (B, N, G, 2R, H)  (one GEMM)
+        w      = einsum('bngk,gkih->bngih', hidden, qkw)     # (B, N, G, 2R, H)
         w1, w2 = w.split(R, dim=-2)                          # (B, N, G, R, H) each
         w1     = w1 * rsqrt(mean_h(w1^2) + 1e-6)             # RMS-norm over heads
         dd     = dropout(tanh(x @ dd_w)).view(B, N, G, H)    # (B, N, G, H)
 
     ``gelu`` is exact (``dynamic_act="gelu"``) or tanh-approximate (``"gelu_tanh"``).
-    (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist; the second projection of
-    every slot is one GEMM with a block-diagonal matrix.) The export core
+    (``x @ dw1`` and ``x @ dd_w`` run as one GEMM when both exist; the second projection is
+    one GEMM batched over the slots.) The export core
     (`dcvit.export_core`) and every other core take the weights from here. Returns ``(w1, w2, dd)``;
     ``w1``/``w2`` are None without ``dynamic_proj`` and ``dd`` is None without
     ``dynamic_gate``. With ``raw=True`` it returns ``(w, None, dd)``, ``w`` the projections
@@ -128,11 +128,11 @@ class DynamicWeights(nn.Module):
             else:
                 hidden = x @ self.dw1.reshape(C, G * K)                          # (B, N, GK)
             hidden = self.drop(F.gelu(hidden, approximate=self.approximate))
-            # every slot's second projection as one block-diagonal GEMM (no einsum: an
-            # exported graph holds MatMuls only)
-            eye = torch.eye(G, dtype=self.qkw.dtype, device=self.qkw.device)
-            qkw = (eye.view(G, 1, G, 1) * self.qkw.reshape(G, K, 1, 2 * R * H)).reshape(G * K, G * 2 * R * H)
-            w = (hidden @ qkw).reshape(B, N, G, 2 * R, H)                        # (B, N, G, 2R, H)
+            # every slot's second projection as one batched GEMM over the slots (as einsum runs
+            # it; written out, so that an exported graph holds MatMuls, no Einsum)
+            per_slot = hidden.reshape(B * N, G, K).transpose(0, 1)                  # (G, BN, K)
+            w = (per_slot @ self.qkw.reshape(G, K, 2 * R * H)).transpose(0, 1)      # (BN, G, 2RH)
+            w = w.reshape(B, N, G, 2 * R, H)                                        # (B, N, G, 2R, H)
             if raw:
                 w1 = w
             else:

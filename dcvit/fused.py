@@ -1,22 +1,23 @@
 """DCMHA's attention core: which implementation runs it, and the custom op of its kernels.
 
 With each Compose stage merged into per-token H×H matrices (`dcvit.matrices`), the attention
-core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Four *cores* compute it:
+core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Five *cores* compute it:
 
 * ``"reference"``: the `Compose` modules, one (B, H, T, S) tensor per term: the spec, what
-  hooks see, and what TorchScript and ``torch.jit.trace`` (fvcore) record. DCMHA runs it
-  itself (`dcvit.attention`). Under ``torch.export`` (ONNX, AOTInductor) the layer runs
-  ``"export"`` instead, `dcvit.export_core`: the same maths in standard ops arranged for
-  inference engines (not a core one can force).
+  hooks see, and what TorchScript and ``torch.jit.trace`` (fvcore) record
+  (`dcvit.core.DCMHACore.reference`);
+* ``"export"``: `dcvit.export_core`, what ``torch.export`` (ONNX, AOTInductor) records: the
+  maths in standard ops arranged for inference engines (`attention_with_matrices`);
 * ``"cpp"``: the C++ kernels (`dcvit.kernels.compose_cpu`, operators ``dcvit_cpu::*``), CPU:
   the whole core, products included, flash-style per batch element and block of queries;
   float32/float64 (bfloat16/float16 operands are computed in float32 and cast back);
 * ``"triton"``: Triton kernels (`dcvit.kernels.triton_core`), CUDA: the whole core, forward
   and backward; the forward keeps each head's row log-sum-exp for the backward;
 * ``"compile"``: plain differentiable PyTorch on the merged matrices
-  (`composed_attention_compile`), for ``torch.compile`` graphs to fuse, and the core of every
-  case no kernel takes: the attention weights themselves (attention dropout in training),
-  a mask that requires grad, more heads than a kernel holds, float64 on CUDA, no kernel built.
+  (`composed_attention_compile`): inside ``torch.compile`` a form inductor fuses, in eager
+  mode `attention_with_matrices`, as the export core; the core of every case no kernel
+  takes: the attention weights themselves (attention dropout in training), a mask that
+  requires grad, more heads than a kernel holds, float64 on CUDA, no kernel built.
 
 `select_impl` is the one place that picks a core: it returns the core and a short reason,
 by context (tracing, export, compilation), device, dtype, heads and what the layer needs;
