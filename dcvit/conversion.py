@@ -32,7 +32,8 @@ pre-compose mixes. Swin's relative position bias is added with the window mask *
 pre-compose, as one additive mask: a head's bias stays that head's own (it is not mixed into
 the other heads' scores) and the fast attention cores, which take an additive mask, run.
 (They run where that mask needs no gradient: in eval, under ``torch.no_grad()``, or with a
-frozen bias table; while the bias table trains, the reference core runs.)
+frozen bias table; while the bias table trains, `select_impl` picks the plain-PyTorch
+``compile`` core.)
 
 ``init="identity"`` makes the converted model compute exactly the original function: the
 gates' weights (``dd_w``), the static matrices and the second factor of the low-rank
@@ -41,6 +42,9 @@ projections (``qkw[:, :, R:]``, which gives ``qw2``/``kw2``) are zero; the first
 and the gates get gradients at the first step, the rest from the next (with both factors zero
 neither would ever move). ``init="paper"`` keeps the authors'
 initialisation of `DynamicWeights` (`DynamicWeights.init_weights`): almost MHA.
+
+The module runs past 400 lines because each supported family's layer carries its copy of
+timm's forward up to the core, next to the one conversion and state-dict fitting they share.
 """
 import logging
 import re

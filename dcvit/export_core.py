@@ -11,7 +11,7 @@ the (B, H, N, N) maps.
   (B, N, G, H, H); nothing here derives them again.
 * The maps are kept query-major, (B, T, H, S), so that the softmax runs on the last axis,
   and a Compose stage is two batched ``MatMul`` and one ``Add``
-  (`dcvit.fused.attention_with_matrices`, `dcvit.matrices.mix`: the eager ``compile`` core
+  (`dcvit.matrices.attention_with_matrices` and `mix`: the eager ``compile`` core
   runs the same function).
 * In an ONNX export, without a mask, the maps are made one sample at a time: a ``scan``
   over the batch (an ONNX ``Scan`` node) runs scores, both Compose stages, softmax and p v
@@ -31,8 +31,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .fused import attention_with_matrices
-from .matrices import ComposeMatrices
+from .matrices import ComposeMatrices, attention_with_matrices
 
 __all__ = ["export_core"]
 
@@ -53,7 +52,7 @@ def export_core(core: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
     """The attention core of a `dcvit.core.DCMHACore`: q, k, v (B, H, N, D), the layer input
     x (B, N, C) and an additive mask -> (B, H, N, D), equal to ``core.reference`` up to
     rounding. The matrices are the core's own (`DCMHACore.matrices`); this function only
-    arranges `dcvit.fused.attention_with_matrices` over them, batched or one sample at a time."""
+    arranges `dcvit.matrices.attention_with_matrices` over them, batched or one sample at a time."""
     mats = core.matrices(x, q, "export")
     if mask is not None or not torch.onnx.is_in_onnx_export() or not _onnx_exports_scan():
         return attention_with_matrices(q, k, v, mask, mats, core.scale)

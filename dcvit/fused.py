@@ -7,7 +7,8 @@ core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Five *core
   hooks see, and what TorchScript and ``torch.jit.trace`` (fvcore) record
   (`dcvit.core.DCMHACore.reference`);
 * ``"export"``: `dcvit.export_core`, what ``torch.export`` (ONNX, AOTInductor) records: the
-  maths in standard ops arranged for inference engines (`attention_with_matrices`);
+  maths in standard ops arranged for inference engines
+  (`dcvit.matrices.attention_with_matrices`);
 * ``"cpp"``: the C++ kernels (`dcvit.kernels.compose_cpu`, operators ``dcvit_cpu::*``), CPU:
   the whole core, products included, flash-style per batch element and block of queries;
   float32/float64 (bfloat16/float16 operands are computed in float32 and cast back);
@@ -15,8 +16,8 @@ core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Five *core
   and backward; the forward keeps each head's row log-sum-exp for the backward;
 * ``"compile"``: plain differentiable PyTorch on the merged matrices
   (`composed_attention_compile`): inside ``torch.compile`` a form inductor fuses, in eager
-  mode `attention_with_matrices`, as the export core; the core of every case no kernel
-  takes: the attention weights themselves (attention dropout in training), a mask that
+  mode `dcvit.matrices.attention_with_matrices`, as the export core; the core of every
+  case no kernel takes: the attention weights themselves (attention dropout in training), a mask that
   requires grad, more heads than a kernel holds, float64 on CUDA, no kernel built.
 
 `select_impl` is the one place that picks a core: it returns the core and a short reason,
@@ -52,6 +53,10 @@ FLOP counting: ``torch.utils.flop_counter`` formulas are registered for both ops
 per multiply-add; the backward counts twice the forward (each product's two operand
 gradients, as torch counts its own attention's backward; the kernels' recomputation of the
 maps is not counted).
+
+The module runs past 400 lines because the chooser, the op with its autograd, fake and FLOP
+rules, and the device registrations are one contract: each rule is written once for every
+core, and a kernel plugs into all of them in one place.
 """
 import contextlib
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -61,10 +66,10 @@ from torch import Tensor
 from torch.utils import flop_counter
 
 from .kernels import compose_cpu
-from .matrices import ComposeMatrices, mix, mix_fusable
+from .matrices import ComposeMatrices, attention_with_matrices, mix_fusable
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "composed_attention",
-           "composed_attention_compile", "attention_with_matrices", "attention_macs"]
+           "composed_attention_compile", "attention_macs"]
 
 # "auto" (choose) and every core `select_impl` can return.
 IMPLS = ("auto", "reference", "cpp", "triton", "compile", "export")
@@ -471,9 +476,9 @@ def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: 
     """The core in plain differentiable PyTorch (the ``"compile"`` core): (B, H, T, D), or the
     composed weights (B, H, T, S) when ``v`` is None.
 
-    In eager mode `attention_with_matrices` (the formulation the export core runs too); inside
-    ``torch.compile`` each Compose stage is a sum of broadcast products on head-major maps
-    (`dcvit.matrices.mix_fusable`) that inductor fuses into one loop nest.
+    In eager mode `dcvit.matrices.attention_with_matrices` (the formulation the export core
+    runs too); inside ``torch.compile`` each Compose stage is a sum of broadcast products on
+    head-major maps (`dcvit.matrices.mix_fusable`) that inductor fuses into one loop nest.
     """
     if not torch.compiler.is_compiling():
         return attention_with_matrices(q, k, v, mask, mats, scale)
@@ -484,26 +489,4 @@ def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: 
         if softmax:
             a = a if mask is None else a + mask
             a = a.softmax(dim=-1)
-    return a if v is None else a.to(v.dtype) @ v
-
-
-def attention_with_matrices(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
-                            mats: ComposeMatrices, scale: float = 1.0) -> Tensor:
-    """Scores, both Compose stages (`dcvit.matrices.mix`), softmax and p v on query-major maps
-    (..., T, H, S), so that softmax runs on the last axis: q, k, v (..., H, N, D) (leading
-    axes: the batch, or none for one sample), the matrices of `ComposeMatrices` with the same
-    leading axes, an additive mask broadcastable to (B, H, T, S) -> (..., H, T, D), or the
-    composed weights (..., H, T, S) when ``v`` is None."""
-    a = ((q * scale) @ k.transpose(-2, -1)).transpose(-3, -2)                # (..., T, H, S)
-    for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
-        if mq is not None:
-            a = mix(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
-        if softmax:
-            if mask is not None:
-                m = mask.to(a.dtype)
-                while m.dim() < 4:
-                    m = m.unsqueeze(0)
-                a = a + m.transpose(1, 2)                                    # (B|1, T, H|1, S)
-            a = a.softmax(dim=-1)
-    a = a.transpose(-3, -2)                                                  # (..., H, T, S)
     return a if v is None else a.to(v.dtype) @ v

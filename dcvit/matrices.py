@@ -13,8 +13,9 @@ the attention core. A layer builds all its dynamic slots at once from the raw pr
 (`slot_matrices_from_projections`: `slot_matrices`, the one PyTorch builder, or with the
 ``cpp`` core one C++ pass, the custom op ``dcvit::slot_matrices``) and takes each stage's
 pair with `stage_matrices`. `mix` applies a pair to a query-major (..., T, H, S) map, the one
-PyTorch formulation of eager and exported graphs; `mix_fusable` is the same sum on a
-head-major map written for inductor. `dcvit.fused` runs the attention core on them.
+PyTorch formulation of eager and exported graphs, and `attention_with_matrices` the whole
+attention core with it; `mix_fusable` is the same sum on a head-major map written for
+inductor. `dcvit.fused` runs the attention core on them.
 """
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -25,7 +26,7 @@ from .kernels import compose_cpu  # noqa: F401  (loads the dcvit_cpu operators)
 
 __all__ = ["ComposeSlots", "ComposeMatrices", "compose_stage_macs", "slot_matrices",
            "slot_matrices_from_projections", "stage_matrices", "rms_normalize", "RMS_EPS", "mix",
-           "mix_fusable"]
+           "mix_fusable", "attention_with_matrices"]
 
 
 class ComposeSlots(NamedTuple):
@@ -239,3 +240,25 @@ def mix_fusable(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
             coef = coef + mk[:, :, g, :].transpose(1, 2).unsqueeze(-2)       # (B, H, T, S)
         out = out + a[:, g:g + 1] * coef                                     # (B, H, T, S)
     return out
+
+
+def attention_with_matrices(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                            mats: ComposeMatrices, scale: float = 1.0) -> Tensor:
+    """Scores, both Compose stages (`dcvit.matrices.mix`), softmax and p v on query-major maps
+    (..., T, H, S), so that softmax runs on the last axis: q, k, v (..., H, N, D) (leading
+    axes: the batch, or none for one sample), the matrices of `ComposeMatrices` with the same
+    leading axes, an additive mask broadcastable to (B, H, T, S) -> (..., H, T, D), or the
+    composed weights (..., H, T, S) when ``v`` is None."""
+    a = ((q * scale) @ k.transpose(-2, -1)).transpose(-3, -2)                # (..., T, H, S)
+    for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
+        if mq is not None:
+            a = mix(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
+        if softmax:
+            if mask is not None:
+                m = mask.to(a.dtype)
+                while m.dim() < 4:
+                    m = m.unsqueeze(0)
+                a = a + m.transpose(1, 2)                                    # (B|1, T, H|1, S)
+            a = a.softmax(dim=-1)
+    a = a.transpose(-3, -2)                                                  # (..., H, T, S)
+    return a if v is None else a.to(v.dtype) @ v
