@@ -8,6 +8,7 @@ import timm
 import torch
 
 import dcvit
+import dcvit.weights
 from train_imagenet.__main__ import build_model, main
 from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_model_weights
 from train_imagenet.config import load_config
@@ -83,7 +84,7 @@ def test_pretrained_file_loads_into_the_model_before_conversion(pretrained):
     _, weights = pretrained
     cfg = load_config(None, TINY + [f"pretrained={weights}"])
     model = build_model(cfg)
-    expected = dcvit.read_state_dict(weights)
+    expected = dcvit.weights.read_state_dict(weights)
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert "state_dict" not in model.pretrained_cfg
 
