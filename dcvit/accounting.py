@@ -29,19 +29,30 @@ import math
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import nn
 
-# fvcore.nn scripts its focal losses with torch.jit.script at import time, which torch
-# deprecates with a FutureWarning; it says nothing about this module, so only that warning,
-# only during this import, is ignored (the caller's filters are restored as they were).
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is", category=FutureWarning)
-    from fvcore.nn import FlopCountAnalysis, parameter_count
-    from fvcore.nn.jit_handles import get_shape
+if TYPE_CHECKING:
+    from fvcore.nn import FlopCountAnalysis
+
+
+def _fvcore() -> ModuleType:
+    """``fvcore.nn``, imported on first use: only the functions that count FLOPs or
+    parameters need it, so `analytic_macs`, `einsum_macs` and whoever imports this module
+    (``kernel_report --estimate``, ``dcvit-report --help``) run without fvcore installed.
+
+    fvcore.nn scripts its focal losses with torch.jit.script at import time, which torch
+    deprecates with a FutureWarning; it says nothing about this module, so only that warning,
+    only during this import, is ignored (the caller's filters are restored as they were)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is", category=FutureWarning)
+        import fvcore.nn
+        import fvcore.nn.jit_handles  # noqa: F401  (get_shape, for the op handles)
+    return fvcore.nn
 
 from .attention import DCMHA, DCMHA_PARTS, hidden_width
 from .fused import attention_impl, attention_macs
@@ -120,21 +131,23 @@ def einsum_macs(equation: str, shapes: Sequence[Sequence[int]]) -> int:
 
 def _einsum_handle(inputs: List[Any], outputs: List[Any]) -> int:
     equation = inputs[0].toIValue()
+    get_shape = _fvcore().jit_handles.get_shape
     shapes = [get_shape(v) for v in inputs[1].node().inputs()]
     return einsum_macs(equation, shapes)
 
 
 def _sdpa_handle(inputs: List[Any], outputs: List[Any]) -> int:
+    get_shape = _fvcore().jit_handles.get_shape
     return attention_macs(*(get_shape(x) for x in inputs[:3]))   # q @ k^T, then p @ v
 
 
-def flop_analysis(model: nn.Module, inputs: Any) -> FlopCountAnalysis:
+def flop_analysis(model: nn.Module, inputs: Any) -> "FlopCountAnalysis":
     """fvcore's ``FlopCountAnalysis`` with the exact einsum and the SDPA handles installed.
 
     fvcore's own warnings are off: `account` returns what they would have said
     (skipped ops, uncalled modules).
     """
-    analysis = FlopCountAnalysis(model, inputs)
+    analysis = _fvcore().FlopCountAnalysis(model, inputs)
     analysis.set_op_handle("aten::einsum", _einsum_handle,
                            "aten::scaled_dot_product_attention", _sdpa_handle)
     return analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
@@ -228,7 +241,7 @@ def account(model: nn.Module, input_shape: Optional[Sequence[int]] = None) -> Ac
             uncalled = sorted(analysis.uncalled_modules())
     finally:
         model.train(was_training)
-    params = parameter_count(model)
+    params = _fvcore().parameter_count(model)
     names = [n for n, _ in model.named_modules() if n and (by_module.get(n) or params.get(n))]
     return Accounting(
         input_shape=shape,

@@ -196,8 +196,9 @@ def _refuses(core: str, q: Tensor, weights: bool, mask: Optional[Tensor]) -> Opt
             return "the C++ kernels are not built here (see the warning; DCVIT_NO_CPP_KERNEL)"
         return None
     triton_core = _triton()
-    if not triton_core.available():
-        return "the triton package is missing or too old"
+    unsupported = triton_core.unsupported_reason()
+    if unsupported:
+        return unsupported
     if q.device.type != "cuda" and not (triton_core.interpreted() and (q.device.type, "triton") in _CORES):
         return f"the Triton kernels run on CUDA tensors, got {q.device.type}"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -45,7 +45,9 @@ class EvalResult:
     ``top1``/``top5`` are percentages over ``num_samples`` images of ``val``. A run that
     converted a pretrained model to DCMHA records the conversion in ``convert``
     (``{"layers": ..., "options": {...}}``, rebuilt by `dcvit.convert`); an evaluation during
-    training (``eval-eNNNN.json``) records its ``epoch``. Keys this
+    training (``eval-eNNNN.json``) records its ``epoch``. ``corrupt_skipped`` counts the
+    samples of ``val`` that could not be decoded and were left out of ``num_samples`` (the
+    split holds ``num_samples + corrupt_skipped``). Keys this
     class does not know are kept in ``extra`` and written back.
     """
 
@@ -63,6 +65,7 @@ class EvalResult:
     dataset: Optional[str] = None
     convert: Optional[Dict[str, Any]] = None
     epoch: Optional[int] = None
+    corrupt_skipped: Optional[int] = None
     extra: Dict[str, Any] = field(default_factory=dict)
 
     REQUIRED = ("model", "top1")
@@ -90,7 +93,7 @@ class EvalResult:
         for key in ("model_kwargs", "convert"):
             if data.get(key) is not None and not isinstance(data[key], dict):
                 raise SchemaError(f"{where}: {key} must be an object, got {data[key]!r}")
-        for key in ("num_samples", "img_size", "num_classes", "epoch"):
+        for key in ("num_samples", "img_size", "num_classes", "epoch", "corrupt_skipped"):
             _check_type(where, key, data.get(key), (int,), "an integer")
         names = {f.name for f in fields(cls)} - {"extra"}
         known = {k: v for k, v in data.items() if k in names}

@@ -11,6 +11,12 @@ settings (transforms, shuffle buffer) come from --config (default: the quick-sta
 
     python scripts/bench_pipeline.py --shards DIR [--model dcvit_tiny] [--repeats 3]
     python scripts/bench_pipeline.py --make-digits /tmp/digits_shards   # writes the shards first
+
+With ``--sources DIR`` it compares the loader alone (no model) on the same JPEG images held
+as this project's shards, as timm's WebDataset release (with ``_info.json``) and as a Hugging
+Face Parquet folder: images/s of each, full epochs alternated, medians of ``--repeats``.
+
+    python scripts/bench_pipeline.py --sources /tmp/bench_sources [--images 2000] [--workers 1]
 """
 import argparse
 import json
@@ -27,11 +33,89 @@ sys.path.insert(0, ROOT)
 
 def make_digits(out: str) -> str:
     """sklearn digits as 32x32 PNG shards (1797 images, 6 train shards)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from train_helpers import digits, write_shards
-    x, y = digits()
-    write_shards(out, "train", x, y, 300)
+    import io
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    x = np.repeat(np.repeat((d.images / 16.0 * 255).astype(np.uint8), 4, axis=1), 4, axis=2)
+    os.makedirs(out, exist_ok=True)
+    for s, start in enumerate(range(0, len(x), 300)):
+        with wds.TarWriter(os.path.join(out, f"train-{s:06d}.tar")) as sink:
+            for i in range(start, min(start + 300, len(x))):
+                buf = io.BytesIO()
+                Image.fromarray(np.stack([x[i]] * 3, axis=-1)).save(buf, format="PNG")
+                sink.write({"__key__": f"{i:08d}", "png": buf.getvalue(), "cls": str(int(d.target[i])).encode()})
     return out
+
+
+def make_sources(out: str, n: int, per_shard: int = 250) -> dict:
+    """The same `n` random 96x96 JPEGs (10 classes) as this project's shards, timm's release
+    and a Parquet folder: {kind: folder}."""
+    import io
+    import numpy as np
+    import webdataset as wds
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(n):
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (96, 96, 3), dtype=np.uint8)).save(buf, format="JPEG", quality=90)
+        samples.append((f"img_{i:06d}", buf.getvalue(), i % 10))
+    dirs = {k: os.path.join(out, k) for k in ("shards", "timm-wds", "parquet")}
+    for d in dirs.values():
+        os.makedirs(os.path.join(d, "data"), exist_ok=True)
+    names, lengths = [], []
+    for s, start in enumerate(range(0, n, per_shard)):
+        part = samples[start:start + per_shard]
+        for path in (os.path.join(dirs["shards"], f"train-{s:06d}.tar"),
+                     os.path.join(dirs["timm-wds"], f"imagenet1k-train-{s:04d}.tar")):
+            with wds.TarWriter(path) as sink:
+                for key, data, label in part:
+                    sink.write({"__key__": key, "jpg": data, "cls": str(label).encode()})
+        names.append(f"imagenet1k-train-{s:04d}.tar")
+        lengths.append(len(part))
+        table = pa.table({"image": [{"bytes": d, "path": k + ".JPEG"} for k, d, _ in part],
+                          "label": pa.array([l for _, _, l in part], pa.int64())})
+        pq.write_table(table, os.path.join(dirs["parquet"], "data",
+                                           f"train-{s:05d}-of-{-(-n // per_shard):05d}.parquet"),
+                       row_group_size=per_shard // 2)
+    with open(os.path.join(dirs["timm-wds"], "_info.json"), "w") as f:
+        json.dump({"splits": {"train": {"name": "train", "num_samples": n, "filenames": names,
+                                        "shard_lengths": lengths}}}, f)
+    return dirs
+
+
+def compare_sources(args) -> None:
+    from train_imagenet.config import load_config
+    from train_imagenet.data import build_data
+    dirs = make_sources(args.sources, args.images)
+    pipes = {}
+    for kind, folder in dirs.items():
+        cfg = load_config(args.config, [f"data.train={folder}", f"data.val={folder}",
+                                        f"data.num_workers={args.workers}", "data.num_classes=10",
+                                        "data.img_size=64", f"batch_size={args.batch_size}"])
+        pipes[kind] = build_data(cfg, "train")
+
+    def epoch(pipe, e: int) -> float:
+        t = time.perf_counter()
+        n = sum(len(y) for _, y, _ in pipe.loader(e))
+        return n / (time.perf_counter() - t)
+
+    for pipe in pipes.values():
+        epoch(pipe, 0)                                   # warm-up (page cache, imports)
+    rounds = {k: [] for k in pipes}
+    for r in range(args.repeats):
+        for kind, pipe in pipes.items():
+            rounds[kind].append(epoch(pipe, r + 1))
+    med = {k: statistics.median(v) for k, v in rounds.items()}
+    print(json.dumps({"images": args.images, "workers": args.workers, "batch_size": args.batch_size,
+                      "img_s": {k: round(v, 1) for k, v in med.items()},
+                      "vs_shards_pct": {k: round(100 * (v / med["shards"] - 1), 1) for k, v in med.items()},
+                      "rounds": {k: [round(x, 1) for x in v] for k, v in rounds.items()}}))
 
 
 def main() -> None:
@@ -46,7 +130,11 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3, help="alternating (bare, pipeline) rounds")
+    p.add_argument("--sources", metavar="DIR", help="compare the loader on shards, timm's WDS and Parquet")
+    p.add_argument("--images", type=int, default=2000, help="images per source (--sources)")
     args = p.parse_args()
+    if args.sources:
+        return compare_sources(args)
     shards = make_digits(args.make_digits) if args.make_digits else args.shards
     if not shards:
         p.error("give --shards DIR or --make-digits DIR")
@@ -55,7 +143,7 @@ def main() -> None:
     from train_imagenet.model import build_model
     from train_imagenet.config import load_config
     from train_imagenet.data import build_data
-    from train_imagenet.engine import StepOptions, train_one_epoch
+    from train_imagenet.engine import EpochState, Loop, train_one_epoch
     from timm.optim import create_optimizer_v2
     from timm.scheduler import create_scheduler_v2
 
@@ -83,8 +171,8 @@ def main() -> None:
         return n_img / (time.perf_counter() - t)
 
     def pipeline(epoch: int) -> float:
-        stats = train_one_epoch(model, pipe, epoch, optimizer=opt, scheduler=sched, loss_fn=loss_fn,
-                                device=torch.device("cpu"), opts=StepOptions(), update=0)
+        stats = train_one_epoch(Loop(model, opt, sched, loss_fn, torch.device("cpu")), pipe,
+                                EpochState(epoch, 0))
         return stats["img_per_s"]
 
     def data_only(epoch: int) -> float:

@@ -19,7 +19,7 @@ from typing import Dict, List, NamedTuple, Optional, Set
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dcvit", "train_imagenet")
 # Shown as one node in the summary graph (their insides are one job each).
-GROUPS = ("dcvit.report", "dcvit.kernels")
+GROUPS = ("dcvit.report", "dcvit.kernels", "train_imagenet.data")
 
 __all__ = ["Edge", "edges", "summary", "main"]
 

@@ -15,7 +15,8 @@ launch is captured, not run), for q, k, v as views of one (B, N, 3, H, D) qkv pr
 and N = 197 tokens, so Triton's own specialisation (strides of 1 as constants, 16-byte
 alignment) is what a real launch gets.
 
-    python scripts/kernel_report.py --quick                 # the resource test's variants
+    python scripts/kernel_report.py --quick                 # the masked production variants
+    python scripts/kernel_report.py --production --check    # DCViT's own variants; status 1 if one does not fit
     python scripts/kernel_report.py --heads 6 12 --targets sm90 --json out.json
     python scripts/kernel_report.py --estimate              # expected H100 time (docs/performance.md)
 
@@ -41,6 +42,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 STAGES = ("", "q", "qk")
 N_TOKENS = 197
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}   # opt-in bytes per block
+SHARED_BUDGET = 160 * 1024          # what every variant must fit: an A100's block, with room
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,10 @@ def ptxas(arch: int) -> Optional[str]:
     """Path of the ptxas Triton uses for ``arch`` (its wheel's, or TRITON_PTXAS_PATH), or None."""
     try:
         from triton.backends.nvidia.compiler import get_ptxas
-        path = get_ptxas(arch).path
+        try:
+            path = get_ptxas(arch).path
+        except TypeError:                               # Triton 3.4, 3.5: one ptxas for every target
+            path = get_ptxas().path if arch < 100 else None
     except Exception:  # noqa: BLE001
         return None
     return path if path and os.path.exists(path) else None
@@ -102,25 +107,26 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
     out = []
     for kernel, arch, H, D, dtype, mask, (pre, post) in itertools.product(
             kernels, archs, heads, dims, dtypes, masks, stages):
-        for c in block_sizes(H, kernel):
+        for c in block_sizes(H, kernel, arch):
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
                                c["num_stages"], c["G"]))
     return out
 
 
 @contextlib.contextmanager
-def _captured_launches():
+def _captured_launches(arch: int):
     """Run `triton_core` on CPU tensors with its launches recorded instead of run, as on a GPU
-    (not the interpreter's precision)."""
+    of compute capability ``arch`` (not the interpreter's precision)."""
     from dcvit.kernels import triton_core
     seen: Dict[str, tuple] = {}
-    saved = triton_core._launch, triton_core.interpreted
+    saved = triton_core._launch, triton_core.interpreted, triton_core._arch
     triton_core._launch = lambda name, device, H, rows, block, B, args, kwargs: seen.__setitem__(name, (args, kwargs))
     triton_core.interpreted = lambda: False
+    triton_core._arch = lambda device: arch
     try:
         yield seen
     finally:
-        triton_core._launch, triton_core.interpreted = saved
+        triton_core._launch, triton_core.interpreted, triton_core._arch = saved
 
 
 def launch_arguments(v: Variant):
@@ -136,7 +142,7 @@ def launch_arguments(v: Variant):
     for stage in (v.pre, v.post):
         mats += [torch.zeros(B, N, H, H) if stage else None, torch.zeros(B, N, H, H) if stage == "qk" else None]
     mask = torch.zeros(N, N) if v.mask else None
-    with _captured_launches() as seen:
+    with _captured_launches(v.arch) as seen:
         if v.kernel == "forward_kernel":
             triton_core.attention_forward(q, k, w, mask, *mats, D ** -0.5)
         else:
@@ -158,11 +164,30 @@ def _ptxas_figures(text: str) -> Dict[str, int]:
                 static_smem=grab(r"(\d+) bytes smem"))
 
 
+def _specialize(backend, arg):
+    """(kind, specialization) of a launch argument as the running Triton's launcher computes
+    it: its native function from 3.6, the Python one before."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+    except ImportError:
+        from triton.runtime.jit import create_specialize_impl
+        return create_specialize_impl(backend.get_arg_specialization)(arg, False, True, True)
+    return native_specialize_impl(backend, arg, False, True, True)
+
+
+def _error_line(e: BaseException) -> str:
+    """The innermost cause of a compile error, its last line that says something (Triton's
+    CompilationError wraps the failing call's own, under a source excerpt and a caret)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip(" ^~\t")]
+    return f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
+
+
 def compile_variant(v: Variant) -> Dict:
     """Compile ``v`` for its target and measure it: a row of the report (``error`` set when
     Triton or ptxas rejects it)."""
     import triton
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from dcvit.kernels import triton_attention
@@ -175,7 +200,7 @@ def compile_variant(v: Variant) -> Dict:
         if arg_name in kwargs:
             signature[arg_name], constexprs[arg_name] = "constexpr", kwargs[arg_name]
             continue
-        kind, spec = native_specialize_impl(CUDABackend, args[i], False, True, True)
+        kind, spec = _specialize(CUDABackend, args[i])
         signature[arg_name] = kind
         if kind == "constexpr":
             constexprs[arg_name] = spec
@@ -194,7 +219,7 @@ def compile_variant(v: Variant) -> Dict:
             log = subprocess.run([ptxas(v.arch), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(tmp, "k.cubin")],
                                  capture_output=True, text=True, check=True).stderr
     except Exception as e:  # noqa: BLE001  (out of resources, compiler errors: a figure too)
-        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''}"
+        row["error"] = _error_line(e)
         return row
     row.update(_ptxas_figures(log))
     row["shared"] = int(compiled.metadata.shared) + row.pop("static_smem")
@@ -217,6 +242,19 @@ def _compiling() -> None:
     """A pool process compiles for a GPU even where its parent runs Triton's interpreter
     (the test session sets TRITON_INTERPRET=1 before Triton is imported)."""
     os.environ.pop("TRITON_INTERPRET", None)
+
+
+def problems(rows: Sequence[Dict]) -> List[str]:
+    """One line per variant that does not compile, spills or needs more than `SHARED_BUDGET`."""
+    out = []
+    for r in rows:
+        if "error" in r:
+            out.append(f"{r['name']}: {r['error']}")
+        elif r["spill_stores"] or r["spill_loads"]:
+            out.append(f"{r['name']}: spills {r['spill_stores']} B stored, {r['spill_loads']} B loaded")
+        elif r["shared"] > SHARED_BUDGET:
+            out.append(f"{r['name']}: {r['shared'] / 1024:.0f} KiB of shared memory")
+    return out
 
 
 def table(rows: Sequence[Dict]) -> str:
@@ -272,9 +310,11 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
     once (re-reads of k, v and the matrices across a sequence's blocks are L2 hits: one
-    sequence's working set is under 1 MB)."""
-    from dcvit.kernels.triton_core import block_sizes, _padded_heads
-    c = block_sizes(H, kernel)[0]
+    sequence's working set is under 1 MB). A product side that the running Triton's
+    `tl.dot` takes only padded (`dot_min`: the head mixing's 8-head contraction under
+    3.4-3.7, 8-head rows and columns under 3.4) counts twice, as it is computed."""
+    from dcvit.kernels.triton_core import block_sizes, dot_min, _padded_heads
+    c = block_sizes(H, kernel, 90)[0]
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
     nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
@@ -283,22 +323,27 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     mix = 2 * tile * hp                                 # one side of a Compose stage, or a dM
     pad = 16 // min(c["BT"], c["BS"], 16)               # a block of 8 rows: the side of a stage batched
     compose = mix + pad * mix                           # over the others has 8 product rows, padded to 16
+    m, n, k = dot_min(32, 90)
+    heads_out = 2 if hp // c["G"] < max(m, n) else 1    # a product's columns: the output heads
+    compose *= (2 if hp < k else 1) * heads_out         # Compose: (cols, heads) @ (heads, heads)
+    dm = mix * (2 if hp < max(m, n) else 1) * heads_out # dM: (heads, cols) @ (cols, heads)
     if kernel == "forward_kernel":
         bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
-        tf32 = 2 * compose + compose                    # pre-compose in both passes, post
+        stages, grads = 3, 0                            # pre-compose in both passes, post
         ops = (1 + 1 + 1 + 2) + (1 + 1 + 1) + 2 * 1 + 1 # scale, where, max, l update; scale, where, sub; compose adds; cast
         exps = 2
     elif kernel == "backward_query_kernel":
         bf16 = 2 * (qk + qk) + qk                       # q·kᵀ, do·vᵀ in both passes; ds·k
-        tf32 = 2 * compose + 2 * compose + compose + 2 * mix   # pre both passes, post T both, pre T, dMq1, dMq2
+        stages, grads = 5, 2                            # pre both passes, post T both, pre T; dMq1, dMq2
         ops = 2 * (1 + 1 + 1) + 2 + 3 + 5 * 1 + 1       # scale, where, sub x2; delta; ds; compose adds; cast
         exps = 2
     else:                                               # G programs per key block, each for HP/G heads:
         g = c["G"]                                      # the scores and both stages for all heads in each
         bf16 = g * 2 * qk + 2 * qk                      # k·qᵀ, v·doᵀ in each; p2ᵀ·do, dsᵀ·q for its heads
-        tf32 = g * 2 * compose + 2 * compose + 2 * mix  # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
+        stages, grads = g * 2 + 2, 2                    # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
         ops = g * (1 + 1 + 1 + 1 + 2 + 2) + 2 + 2       # scale, where, sub, where, ds, 2 compose adds; 2 adds, casts
         exps = g
+    tf32 = stages * compose + grads * dm
     tok = B * N * H                                     # (token, head) pairs
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
     # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)
@@ -336,7 +381,9 @@ def estimate(batch: int = 256) -> Dict:
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from dcvit.accounting import analytic_macs
-    out = {"gpu": H100, "batch": batch, "models": {}}
+    tri = triton_module()
+    out = {"gpu": H100, "batch": batch, "models": {},
+           "triton": tri.__version__ if tri else None}       # its tl.dot sizes decide the padding counted
     for label, (dc_name, vit_name) in MODELS.items():
         dc = timm.create_model(dc_name)
         vit = timm.create_model(vit_name)
@@ -368,7 +415,8 @@ def estimate_table(est: Dict) -> str:
     g = est["gpu"]
     lines = [f"{g['name']}: {g['bf16'] / 1e12:.0f} TFLOP/s bf16 tensor, {g['tf32'] / 1e12:.0f} TF32, "
              f"{g['fp32'] / 1e12:.0f} fp32 (FMA = 2), {g['exp'] / 1e12:.1f} T exp/s, "
-             f"{g['hbm'] / 1e12:.2f} TB/s; batch {est['batch']}, bf16, one layer", "",
+             f"{g['hbm'] / 1e12:.2f} TB/s; batch {est['batch']}, bf16, one layer; "
+             f"kernels as Triton {est.get('triton')} compiles them", "",
              "| model | kernel | bf16 TC GFLOP | TF32 TC GFLOP | CUDA-core GFLOP | exp G | MB | tensor ms | "
              "CUDA-core ms | memory ms | estimate ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -433,7 +481,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--kernels", nargs="+", default=list(SHORT.values()), choices=list(SHORT.values()))
     p.add_argument("--mask", choices=["both", "yes", "no"], default="both")
     p.add_argument("--quick", action="store_true",
-                   help="the resource test's variants: D=64, bf16, sm80+sm90, mask, pre+post with both sides")
+                   help="D=64, bf16, sm80+sm90, a mask, pre+post with both sides")
+    p.add_argument("--production", action="store_true",
+                   help="the variants DCViT trains with: D=64, bf16, pre+post with both sides, no mask")
+    p.add_argument("--check", action="store_true",
+                   help="exit with status 1 when a variant fails to compile, spills or needs over 160 KiB")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--estimate", action="store_true",
@@ -480,9 +532,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     kernels = [k for k in KERNELS if SHORT[k] in a.kernels]
     masks = {"both": (False, True), "yes": (True,), "no": (False,)}[a.mask]
-    if a.quick:
-        vs = variants(a.heads, (64,), ("bf16",), [x for x in archs if x in (80, 90)], (True,),
-                      [("qk", "qk")], kernels)
+    if a.quick or a.production:
+        vs = variants(a.heads, (64,), ("bf16",), [x for x in archs if x in (80, 90)],
+                      (not a.production,), [("qk", "qk")], kernels)
     else:
         vs = variants(a.heads, a.dims, a.dtypes, archs, masks, None, kernels)
     for arch in archs:
@@ -498,7 +550,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(dict(triton=triton.__version__, ptxas={a_: ptxas(a_) for a_ in archs},
                            n_tokens=N_TOKENS, rows=rows), f, indent=1)
         print(f"wrote {a.json}")
-    return 0
+    bad = problems(rows)
+    print(f"\nTriton {triton_module().__version__}: {len(rows) - len(bad)} of {len(rows)} variants compile, "
+          f"spill nothing and fit {SHARED_BUDGET // 1024} KiB")
+    for line in bad:
+        print(f"  {line}")
+    return 1 if a.check and bad else 0
 
 
 def _ptxas_version(arch: int) -> str:

@@ -59,7 +59,7 @@ def measure(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from timm.utils import NativeScaler
-    from train_imagenet.engine import StepOptions, autocast, train_one_epoch
+    from train_imagenet.engine import EpochState, Loop, autocast, train_one_epoch
 
     device = torch.device(args.device)
     kwargs: Dict[str, Any] = dict(img_size=args.img_size)
@@ -72,14 +72,12 @@ def measure(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     y = torch.randint(0, 1000, (args.batch_size,), device=device)
     pipe = _MemoryPipe(x, y, args.steps)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
-    opts = StepOptions(amp=args.amp, log_every=args.log_every, step_lines=True)  # as without a terminal
-
-    loop_scaler = NativeScaler(device.type) if args.amp == "fp16" else None
+    parts = Loop(model, opt, _NoSchedule(), F.cross_entropy, device,
+                 scaler=NativeScaler(device.type) if args.amp == "fp16" else None, amp=args.amp,
+                 log_every=args.log_every, step_lines=True)  # as without a terminal
 
     def loop() -> None:
-        train_one_epoch(model, pipe, 0, optimizer=opt, scheduler=_NoSchedule(),
-                        loss_fn=F.cross_entropy, device=device, opts=opts, update=0,
-                        scaler=loop_scaler)
+        train_one_epoch(parts, pipe, EpochState(0, 0))
 
     def bare() -> None:
         model.train()

@@ -3,13 +3,30 @@
 
     python tests/converter_fault_cases.py [REPO_ROOT]     (default: this checkout)
 
-Each case runs ``scripts/make_wds_shards.py`` of REPO_ROOT (with ``PYTHONPATH=REPO_ROOT``) in
-a fresh temporary folder on a small digits ImageFolder and reports what a user would see:
-the exit status, the last line of stderr and what is on disk afterwards. Run against the
-code before and after a change, the rows give the before/after table of
-tests/fault_cases_converter.md. Interrupts and unreadable files are injected in a child
-process (a real SIGINT to the process group at a chosen image; ``PermissionError`` from
-reading one file, since the tests run as root, who can read any file).
+Each case runs ``scripts/make_wds_shards.py`` (the ``dcvit-shards`` command) of REPO_ROOT
+(with ``PYTHONPATH=REPO_ROOT``) in a fresh temporary folder on a small digits ImageFolder (3
+classes, 8 images a class and split; 40 a class for the two-conversions case, 20 for
+Ctrl-C) and reports what a user would see: the exit status, the last line of stderr and
+what is on disk afterwards. Interrupts and unreadable files are injected in a child process
+(a real SIGINT to the converter's process group from inside a worker at its 25th image, as
+a terminal sends it to every process of the command; ``PermissionError`` from reading one
+file, since the tests run as root, who can read any file). The tests of each "after" are in
+tests/test_converter_faults.py.
+
+"Before" is the converter before these cases were fixed, "after" the code now:
+
+| case | before | after |
+|---|---|---|
+| symlink loop `ln -s .. SRC/1/loop`, then `--verify` | exit 0: 984 samples written from 24 files (the images of classes 0 and 2 reached through `1/loop/…` labelled 1); `--verify` OK | exit 2 before writing: `SRC/1/loop -> SRC: already read as SRC`; the same for a link into another class folder, a class folder linked to another, two links to one file. Links to folders and files outside `--src` are followed, each file once, labelled by the class folder it is listed in |
+| dangling symlink `SRC/1/gone.png` | exit 1, `FileNotFoundError` traceback | exit 2 before writing: `SRC/1/gone.png -> /nonexistent/x.png: the link's target does not exist` |
+| `--src digits/val --out DIR` (no `--split`), DIR holding train | exit 0: the val images written as `train-*`, the train split replaced; no `val.json` | exit 0: `--split val (from the name of --src …)`, `val.json` written, train byte for byte unchanged (`train_val` as a name: exit 2, pass `--split`) |
+| another source folder into an existing split; the same source again | exit 0, the split replaced silently | exit 2: `DIR already holds a train split (24 samples) made from …/train; --src …/more would replace it: pass --split NAME …, another --out, or --overwrite`; the same source again: exit 0 (byte-identical shards); with `--overwrite`: exit 0 |
+| two conversions into one folder (the second starts while the first writes) | both exit 0, reporting 120 and 90 samples while `train.json` says 90; or (the second starting mid-write) the first exit 1, its temporary shard deleted by the second's clean-up, the second exit 0 | first exit 0, second exit 2 before any work: `--out DIR is in use by another conversion (pid N on HOST, started …)` |
+| `--verify` of a folder after the trainer's start-up check | exit 1: `.dcvit-shard-check.json: missing or incomplete metadata`; a conversion of other classes lists the split(s) `['train', '.dcvit-shard-check']` | exit 0; the other-classes error lists `['train']` |
+| a key twice in a shard (adjacent) | the start-up check passes; reading stops mid-epoch: `shard … cannot be read (ValueError: … duplicate file name …); it passed the start-up check, so it changed or its storage failed since`; `--verify` exit 1 | the start-up check (exit 2 in training) and `--verify` (exit 1), one verifier: `key '1__70' occurs twice (member '1__70.cls' repeats); each sample needs its own key`; also for a key that comes back later in the shard, and a sample without its `.cls` |
+| Ctrl-C during a conversion with `--workers 2`, then a rerun | one try hung (workers defunct, the parent waiting; killed after 300 s); another exit 1 with a `KeyboardInterrupt` traceback. Both: `train.json` removed and the old and new shards mixed on disk (readable by the trainer as a split); `--verify` exit 1; the rerun completes | exit 130: `interrupted; the shards being written were removed …: re-run the command`; the previous split unchanged (`--verify` exit 0); the rerun completes. Ctrl-C while the finished shards are moved in takes effect after the move |
+| a source file that cannot be read | exit 1, `PermissionError` traceback; the previous split's `train.json` removed | exit 2: `cannot read …/2/50.png (Permission denied); make it readable or move it out of --src, then re-run`; the previous split unchanged. An image name that is a FIFO or device: exit 2 before writing |
+| a file name that is not UTF-8 and longer than 90 bytes (round three) | exit 1, `UnicodeEncodeError` traceback from `make_keys` | converted: the key is cut and ends with a hash of the name's own bytes (unique, ASCII, fits a ustar header); `tests/test_converter_sources.py::test_a_non_utf8_file_name_longer_than_90_bytes_converts` |
 """
 import json
 import os
@@ -47,18 +64,16 @@ def run(*argv, **kwargs) -> subprocess.CompletedProcess:
 
 
 def _patched_code(patch: str, *argv) -> str:
-    """Python code that runs make_wds_shards.main(argv) with `patch` applied to the module first."""
+    """Python code that runs the converter's main(argv) with `patch` applied to its writer module
+    (``mws``, `train_imagenet.shards.write`) first."""
     return textwrap.dedent(f"""
-        import importlib.util, os, signal, sys, pathlib
-        spec = importlib.util.spec_from_file_location("make_wds_shards", {str(SCRIPT)!r})
-        mws = importlib.util.module_from_spec(spec)
-        sys.modules["make_wds_shards"] = mws
-        spec.loader.exec_module(mws)
-    """) + textwrap.dedent(patch) + f"\nsys.exit(mws.main({[*map(str, argv), '--no-progress']!r}))\n"
+        import os, signal, sys, pathlib
+        from train_imagenet.shards import cli, write as mws
+    """) + textwrap.dedent(patch) + f"\nsys.exit(cli.main({[*map(str, argv), '--no-progress']!r}))\n"
 
 
 def run_patched(patch: str, *argv) -> subprocess.CompletedProcess:
-    """make_wds_shards.main(argv) in a child whose module has `patch` applied first."""
+    """The converter's main(argv) in a child whose writer module has `patch` applied first."""
     code = _patched_code(patch, *argv)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=ENV, timeout=300)
@@ -134,16 +149,17 @@ def case_two_conversions(tmp: Path) -> str:
             "def slow(*a):\n    import time; time.sleep(0.25); return real(*a)\n" \
             "mws.encode_image = slow\n"
     code = lambda src: [sys.executable, "-c", textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("make_wds_shards", {str(SCRIPT)!r})
-        mws = importlib.util.module_from_spec(spec); sys.modules["make_wds_shards"] = mws
-        spec.loader.exec_module(mws)
-    """) + delay + f"sys.exit(mws.main(['--src', {str(src)!r}, '--out', {str(out)!r}, "
+        import sys
+        from train_imagenet.shards import cli, write as mws
+    """) + delay + f"sys.exit(cli.main(['--src', {str(src)!r}, '--out', {str(out)!r}, "
                   f"'--split', 'train', *{overwrite_flag()!r}, '--workers', '1', '--no-progress']))"]
     for extra in sorted((d / "val" / "0").iterdir())[10:]:   # the second source is smaller
         extra.unlink()
     first = subprocess.Popen(code(d / "train"), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(12)  # the first is writing (30 s of it; imports take seconds on a loaded machine)
+    for _ in range(600):  # until the first is writing (30 s of it): its staging folder exists
+        if list(out.glob(".train.tmp-*")) or first.poll() is not None:
+            break
+        time.sleep(0.2)
     second = subprocess.run(code(d / "val"), env=ENV, capture_output=True, text=True, timeout=300)
     out1, err1 = first.communicate(timeout=300)
     m = meta(out, "train")
@@ -161,7 +177,7 @@ def case_verify_after_start_check(tmp: Path) -> str:
     assert run("--src", d / "train", "--out", out).returncode == 0
     check = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import glob
-        from train_imagenet.shard_check import check_shards
+        from train_imagenet.data.verify import check_shards
         print(check_shards(sorted(glob.glob({str(out)!r} + '/train-*.tar')), 'data.train', 3))
     """)], capture_output=True, text=True, env=ENV, timeout=300)
     assert check.returncode == 0, check.stderr
@@ -186,8 +202,8 @@ def case_duplicate_keys(tmp: Path) -> str:
             import io
             tar.addfile(m, io.BytesIO(data))
     code = textwrap.dedent(f"""
-        from train_imagenet.shard_check import check_shards
-        from train_imagenet.data import _samples, DataError
+        from train_imagenet.data.verify import check_shards
+        from train_imagenet.data.shards import _samples, DataError
         print('start-up check:', check_shards([{str(shard)!r}], 'data.train', 3).problem)
         try:
             n = sum(1 for _ in _samples([{str(shard)!r}]))

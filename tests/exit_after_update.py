@@ -15,17 +15,17 @@ EXIT_CODE = 17
 
 def exit_after(update: int) -> None:
     """Wraps the training step: the one that completes update `update` exits the process."""
-    real_step = engine.Step.__call__
+    real_step = engine.train_step
 
-    def step(self, model, batch, state):
+    def step(loop, batch, state):
         done = state.update
-        state = real_step(self, model, batch, state)
+        state = real_step(loop, batch, state)
         if state.update == update != done:
             print(f"rank {os.environ.get('RANK', 0)}: exiting hard after update {update} "
                   f"(simulated failure)", file=sys.stderr, flush=True)
             os._exit(EXIT_CODE)
         return state
-    engine.Step.__call__ = step
+    engine.train_step = step
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Reproduces the trainer's fault cases of tests/fault_cases_trainer.md against a checkout and
+"""Reproduces the trainer's fault cases of docs/training_fault_cases.md against a checkout and
 prints one line per case: the exit code and what the user sees.
 
     python tests/fault_cases_trainer.py [--repo CHECKOUT] [--skip-torchrun]

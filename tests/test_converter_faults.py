@@ -1,7 +1,7 @@
-"""Faults of scripts/make_wds_shards.py found by trying to break it as a user would: each ends
-as a refusal (exit 2, naming the cause and the fix) before any shard is replaced, or is
-handled with nothing lost. The cases, what the code did before and what it does now, are in
-tests/fault_cases_converter.md (reproduced by tests/converter_fault_cases.py).
+"""Faults of the converter (dcvit-shards) found by trying to break it as a user would: each
+ends as a refusal (exit 2, naming the cause and the fix) before any shard is replaced, or is
+handled with nothing lost. The cases, what the code did before and what it does now, are the
+table of tests/converter_fault_cases.py, which reproduces them.
 
 The tests run as root, who can read any file, so an unreadable source file is simulated by
 making ``Path.read_bytes`` raise ``PermissionError`` for one file, and by a FIFO named like an
@@ -19,10 +19,11 @@ import pytest
 
 from dcvit.schema import split_names
 from train_helpers import digits, png_bytes
-from train_imagenet import shard_check
+from train_imagenet.data import verify as shard_check
 from train_imagenet.data import DataError, count_samples, resolve_source
 
-from test_make_wds_shards import SCRIPT, _digests, _run, mws  # noqa: F401  (the loaded script)
+from test_make_wds_shards import SCRIPT, _digests, _run
+from train_imagenet.shards import plan, write
 
 
 def _source(root: Path, per_class: int = 4, classes: int = 3, offset: int = 0) -> Path:
@@ -134,8 +135,8 @@ def test_val_folder_without_split_becomes_val_and_leaves_train(tmp_path, capsys)
     assert "--split val (from the name of --src" in capsys.readouterr().err
     assert (_digests(out)["train-000000.tar"], (out / "train.json").read_bytes()) == (train[0]["train-000000.tar"], train[1])
     assert json.loads((out / "val.json").read_text())["num_samples"] == 12
-    assert mws.infer_split(Path("/x/ILSVRC2012_img_val")) == "val"
-    assert mws.infer_split(Path("/x/validation")) == "val" and mws.infer_split(Path("/x/images")) is None
+    assert plan.infer_split("ILSVRC2012_img_val") == "val"
+    assert plan.infer_split("validation") == "val" and plan.infer_split("images") is None
     both = tmp_path / "train_val"
     _source(both)
     assert "pass --split NAME" in _error(capsys, "--src", both, "--out", tmp_path / "o2")
@@ -236,14 +237,14 @@ def test_ctrl_c_while_the_split_is_moved_in_waits_for_it(tmp_path, monkeypatch):
     is complete: the command reports the interrupt, the folder holds one whole split."""
     src, out = _source(tmp_path / "src"), tmp_path / "out"
     assert _run("--src", src, "--out", out, "--shard-size", 2) == 0
-    real = mws.write_json
+    real = write.write_json
 
     def interrupted(path, data):
         if Path(path).name == "classes.json":
             os.kill(os.getpid(), signal.SIGINT)  # lands between the shard moves and train.json
         return real(path, data)
 
-    monkeypatch.setattr(mws, "write_json", interrupted)
+    monkeypatch.setattr(write, "write_json", interrupted)
     assert _run("--src", src, "--out", out, "--shard-size", 5) == 130
     monkeypatch.undo()
     assert json.loads((out / "train.json").read_text())["samples_per_shard"] == [5, 5, 2]
@@ -262,10 +263,8 @@ def test_ctrl_c_with_workers_then_rerun(tmp_path):
     assert _run("--src", src, "--out", out, "--shard-size", 4) == 0
     kept = _digests(out), (out / "train.json").read_bytes()
     code = textwrap.dedent(f"""
-        import importlib.util, os, signal, sys, time
-        spec = importlib.util.spec_from_file_location("make_wds_shards", {str(SCRIPT)!r})
-        mws = importlib.util.module_from_spec(spec); sys.modules["make_wds_shards"] = mws
-        spec.loader.exec_module(mws)
+        import os, signal, sys, time
+        from train_imagenet.shards import cli, write as mws
         real, calls = mws.encode_image, [0]
         def interrupting(*a):
             calls[0] += 1
@@ -274,7 +273,7 @@ def test_ctrl_c_with_workers_then_rerun(tmp_path):
                 time.sleep(2)
             return real(*a)
         mws.encode_image = interrupting
-        sys.exit(mws.main(["--src", {str(src)!r}, "--out", {str(out)!r}, "--shard-size", "3",
+        sys.exit(cli.main(["--src", {str(src)!r}, "--out", {str(out)!r}, "--shard-size", "3",
                            "--workers", "2", "--no-progress"]))
     """)
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -1,4 +1,4 @@
-"""scripts/gpu_check_report.py turns what gpu_check.sh leaves in its folder into
+"""scripts/gpu_check_report.py turns what gpu_check.sh leaves in its scratch folder into
 gpu_check.json and a table, and scripts/loop_overhead.py runs (the GPU-side steps themselves
 run only on a GPU; `bash scripts/gpu_check.sh --dry-run` runs them all on CPU)."""
 import importlib.util
@@ -28,8 +28,13 @@ def _bench(path: Path, core: str, train_ratio: float, memory_ratio: float) -> No
 
 def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
     (tmp_path / "environment.json").write_text(json.dumps({"device": "NVIDIA H100"}))
-    (tmp_path / "steps.tsv").write_text("tests\tpass\t30\t360\ttests.log\n"
-                                        "bench_S_eager_torch\ttimeout\t240\t240\tx.log\n")
+    step = dict(what="", planned_s=30.0, limit_s=60.0)
+    (tmp_path / "steps.json").write_text(json.dumps({"budget_s": 500, "elapsed_s": 320.0, "plan": [], "steps": [
+        dict(step, step="kernels", status="pass", seconds=30.0, log="kernels.log"),
+        dict(step, step="bench_S_eager_torch", status="timeout", seconds=60.0, log="x.log"),
+        dict(step, step="train_smoke_compile", status="skipped", seconds=0.0, reason="planned 246 s > 80 s left")]}))
+    (tmp_path / "kernels.json").write_text(json.dumps({"models": {"S/16": {
+        "max_error": 0.004, "reference_error": 0.006, "worst": "grad qkv.weight", "passed": True}}}))
     _bench(tmp_path / "bench_S_eager_triton.json", "triton", 0.95, 1.05)
     _bench(tmp_path / "bench_S_eager_torch.json", "torch", 0.40, 1.30)
     (tmp_path / "loop_overhead.json").write_text(json.dumps(
@@ -42,9 +47,12 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
     run = tmp_path / "run_eager"
     run.mkdir()
     (run / "log.jsonl").write_text(json.dumps({"epoch": 0, "train_loss": 2.3, "img_per_s": 900.0}) + "\n")
-    result = _report_module().report(tmp_path)
-    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    dest = tmp_path / "out"
+    result = _report_module().report(tmp_path, dest)
+    saved = json.loads((dest / "gpu_check.json").read_text())
     assert saved["passed"] is False                                   # a step timed out
+    assert saved["skipped"] == ["train_smoke_compile"] and saved["budget_s"] == 500
+    assert saved["kernels"]["models"]["S/16"]["passed"] is True
     assert saved["fastest_training_core"] == {"dcvit_small_patch16_224/eager": "triton (0.950x ViT)"}
     assert saved["suggested_cuda_measured"] == {"NVIDIA H100": {"eager": "triton"}}
     met = {(f["core"], f["kind"]): f["met"] for f in saved["figures"]}
@@ -53,12 +61,26 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
     assert saved["training_runs"]["run_eager"]["epochs"] == 1
     out = capsys.readouterr().out
     assert "bench_S_eager_torch" in out and "timeout" in out and "+10.0 %" in out
+    assert "planned 246 s > 80 s left" in out and "kernels S/16: error 4.00e-03 against the bf16 reference core's 6.00e-03" in out
     assert result["loop_overhead"]["overhead"] == 0.1
     times = {r["what"]: (r["estimate"], r["measured"]) for r in saved["kernel_times"]}
     assert times["forward ms"] == (0.07, 0.2)                            # measured next to the estimate
     assert times["backward ms"] == (pytest.approx(0.17), None)            # not timed: estimate only
     assert times["training ratio"] == (0.85, 0.95)                        # the eager triton bench figure
     assert "training ratio" in out
+
+
+def test_a_skipped_step_is_no_failure_and_the_targets_are_the_benchmarks(tmp_path):
+    """Only failures and timeouts fail the check; the summary's targets (written out so that
+    it needs no torch) are dcvit.bench's."""
+    from dcvit.bench import TARGETS
+    module = _report_module()
+    assert module.TARGETS == TARGETS
+    (tmp_path / "steps.json").write_text(json.dumps({"steps": [
+        dict(step="environment", what="", status="pass", planned_s=1.0, seconds=1.0, limit_s=2.0, log="e.log"),
+        dict(step="kernels", what="", status="skipped", planned_s=9.0, seconds=0.0, limit_s=0.0, log=None,
+             reason="planned 9 s > 1 s left of the budget")]}))
+    assert module.report(tmp_path, quiet=True)["passed"] is True
 
 
 def test_loop_overhead_runs_the_engine_loop_and_a_bare_loop(tmp_path):

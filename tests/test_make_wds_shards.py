@@ -1,9 +1,9 @@
-"""scripts/make_wds_shards.py: round trip through real WebDataset, determinism, val layout,
+"""dcvit-shards (train_imagenet.shards) on class folders and flat folders: round trip through real WebDataset, determinism, val layout,
 verification of damaged shards, atomic re-runs and the error messages of bad inputs."""
 import hashlib
-import importlib.util
 import io
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -16,19 +16,10 @@ import webdataset as wds
 from PIL import Image
 from sklearn.datasets import load_digits
 
+from train_imagenet.shards import cli, plan, write
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "make_wds_shards.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("make_wds_shards", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_wds_shards"] = module  # worker processes unpickle tasks by module name
-    spec.loader.exec_module(module)
-    return module
-
-
-mws = _load_script()
+SCRIPT = ROOT / "scripts" / "make_wds_shards.py"  # the wrapper of dcvit-shards
 DIGITS = load_digits()
 CLASSES = ["three", "one", "zero", "two"]  # folder names; index = sorted position
 PER_CLASS = 7
@@ -78,7 +69,7 @@ def _digests(out: Path) -> dict:
 
 
 def _run(*argv) -> int:
-    return mws.main([*map(str, argv), "--no-progress"])
+    return cli.main([*map(str, argv), "--no-progress"])
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +266,7 @@ def test_rerun_overwrites_and_interrupted_run_leaves_the_split_as_it_was(folder,
     before = _digests(out), (out / "train.json").read_bytes()
 
     calls = {"n": 0}
-    real = mws.encode_image
+    real = write.encode_image
 
     def failing(path, other_formats):
         calls["n"] += 1
@@ -283,7 +274,7 @@ def test_rerun_overwrites_and_interrupted_run_leaves_the_split_as_it_was(folder,
             raise KeyboardInterrupt
         return real(path, other_formats)
 
-    monkeypatch.setattr(mws, "encode_image", failing)
+    monkeypatch.setattr(write, "encode_image", failing)
     assert _run("--src", src, "--out", out, "--shard-size", 10, "--seed", 3, "--workers", 1) == 130
     names = sorted(p.name for p in out.iterdir() if p.name != ".lock")
     assert not any(".tmp" in n for n in names)
@@ -301,12 +292,12 @@ def test_other_formats_error_names_file(folder, tmp_path, capsys):
 
 def test_keys_are_unique_and_tar_safe():
     rels = ["a/x.y.jpg", "a/x_y.png", "b c/ü.png", "_a/.z.png", "a/x_y.JPEG", "d/" + "n" * 200 + ".png"]
-    keys = mws.make_keys(rels)
+    keys = plan.make_keys(rels)
     assert len(set(keys)) == len(keys)
     for key in keys:
         assert "." not in key and "/" not in key and not key.startswith("_")
-        assert len(key) <= mws.MAX_KEY_CHARS
-        assert mws.re.fullmatch(r"[A-Za-z0-9_-]+", key)
+        assert len(key) <= plan.MAX_KEY_CHARS
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", key)
 
 
 def _error(capsys, *argv) -> str:
@@ -409,6 +400,6 @@ def test_verify_of_a_missing_or_empty_folder_says_so(tmp_path, capsys, make):
     folder = tmp_path / "shards"
     if make == "empty":
         folder.mkdir()
-    assert mws.main(["--verify", str(folder), "--no-progress"]) == (2 if make == "missing" else 1)
+    assert cli.main(["--verify", str(folder), "--no-progress"]) == (2 if make == "missing" else 1)
     err = capsys.readouterr().err
     assert str(folder) in err and ("no such folder" if make == "missing" else "no split metadata") in err

@@ -184,3 +184,51 @@ def test_class_names_from_classes_option_then_the_images_shards_else_indices(run
         for row in res["predictions"]:
             assert [t["name"] for t in row["top"]] == [names[t["class"]] if names else None for t in row["top"]]
     assert "no class names found" in capsys.readouterr().err
+
+
+def _probs_of(ckpt, folder, tmp_path, name="p.json"):
+    out = tmp_path / name
+    assert main([ckpt, str(folder), "--out", str(out), "--top-k", "10"]) == 0
+    rows = json.loads(out.read_text())["predictions"]
+    return {r["image"]: {t["class"]: t["prob"] for t in r["top"]} for r in rows}
+
+
+def test_16bit_and_exif_rotated_images_classified_as_they_show(run, tmp_path):
+    """A 16-bit copy of a digit and a copy stored sideways with an EXIF orientation get the
+    same probabilities as the 8-bit upright image (both read as the picture they show)."""
+    _, ckpt, _, x, _ = run
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    grey = x[0, :, :, 0]
+    Image.fromarray(x[0]).save(folder / "a_8bit.png")
+    Image.fromarray(grey.astype(np.uint16) * 257).save(folder / "b_16bit.png")     # 16-bit greyscale
+    sideways = Image.fromarray(np.rot90(x[0], k=1).copy())       # stored turned 90 degrees left
+    exif = sideways.getexif()
+    exif[0x0112] = 6                                             # shown turned 90 degrees right
+    sideways.save(folder / "c_exif.png", exif=exif.tobytes())
+    probs = _probs_of(ckpt, folder, tmp_path)
+    expected = _reference(ckpt, x[:1])[0]
+    for name in ("a_8bit.png", "b_16bit.png", "c_exif.png"):
+        got = torch.tensor([probs[name][c] for c in range(10)])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_linked_subfolder_followed_and_non_utf8_name_in_csv(run, tmp_path, capsys):
+    """The predictor walks a folder by the converter's rule (a linked sub-folder is read),
+    and a file name that is not UTF-8 is written to CSV as \\xNN escapes, nothing lost."""
+    _, ckpt, folder, x, _ = run
+    images = tmp_path / "imgs"
+    images.mkdir()
+    os.symlink(os.path.abspath(folder), images / "linked")
+    raw = os.path.join(os.fsencode(images), b"caf\xe9.png")     # latin-1 bytes: not UTF-8
+    Image.fromarray(x[1]).save(open(raw, "wb"), format="PNG")
+    out = tmp_path / "p.csv"
+    assert main([ckpt, str(images), "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open(encoding="utf-8")))
+    assert len(rows) == 7 and sum(r["image"].startswith("linked/") for r in rows) == 6
+    assert rows[0]["image"] == "caf\\xe9.png"
+    err = capsys.readouterr().err
+    assert "1 image name(s) are not valid UTF-8" in err and "7 images classified" in err
+    os.symlink(images, images / "loop")
+    assert main([ckpt, str(images), "--out", str(tmp_path / "q.csv")]) == 2
+    assert f"{images / 'loop'} -> {os.path.realpath(images)}: already read as {images}" in capsys.readouterr().err

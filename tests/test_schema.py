@@ -1,7 +1,5 @@
 """dcvit.schema: eval.json and shard metadata as the writers write them and the readers read them."""
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,22 +14,14 @@ from dcvit.schema import (EvalResult, SchemaError, ShardMeta, check_split, metad
 from train_imagenet.results import eval_result as _result
 from train_imagenet.config import load_config
 from train_imagenet.data import count_samples, resolve_source
+from train_imagenet.shards import cli, folders
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _script():
-    if "make_wds_shards" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("make_wds_shards", ROOT / "scripts" / "make_wds_shards.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["make_wds_shards"] = module  # dataclasses and worker processes look it up by name
-        spec.loader.exec_module(module)
-    return sys.modules["make_wds_shards"]
-
-
 def test_image_extensions_are_torchvisions():
     assert tuple("." + e for e in IMAGE_EXTENSIONS) == IMG_EXTENSIONS
-    assert _script().IMG_EXTENSIONS == IMG_EXTENSIONS
+    assert folders.IMG_EXTENSIONS == IMG_EXTENSIONS
 
 
 def test_trainer_eval_json_reads_back_in_the_report(tmp_path):
@@ -83,7 +73,7 @@ def test_writer_metadata_is_what_the_reader_reads(tmp_path):
         (src / f"c{c}").mkdir(parents=True)
         for i in range(4):
             Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(src / f"c{c}" / f"{i}.png")
-    assert _script().main(["--src", str(src), "--out", str(out), "--shard-size", "5", "--no-progress"]) == 0
+    assert cli.main(["--src", str(src), "--out", str(out), "--shard-size", "5", "--no-progress"]) == 0
     raw = json.loads((out / "train.json").read_text())
     meta = ShardMeta.from_dict(raw)
     assert meta.to_dict() == raw and meta.extra == {}

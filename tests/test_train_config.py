@@ -38,6 +38,34 @@ def test_unknown_key_in_yaml(tmp_path):
         load_config(str(path))
 
 
+def test_duplicate_yaml_keys_are_refused_naming_key_and_lines(tmp_path, capsys):
+    """A second ``optim:`` block would silently replace the first (weight_decay 0.0 -> 0.05)."""
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 3\noptim:\n  weight_decay: 0.0\nbatch_size: 8\noptim:\n  lr: 1.0e-3\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml.*key 'optim' is given twice in one mapping "
+                                          r"\(line 2 and line 5\).*keep one"):
+        load_config(str(path))
+    path.write_text("optim:\n  lr: 1.0e-3\n  weight_decay: 0.0\n  lr: 2.0e-3\n")
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice in one mapping \(line 2 and line 4\)"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match=r"override 'optim=\{lr: 1, lr: 2\}': key 'lr' is given twice "
+                                          r"in one mapping \(line 1, columns 2 and 9\)"):
+        load_config(None, ["optim={lr: 1, lr: 2}"])
+    from train_imagenet.__main__ import main
+    path.write_text("epochs: 3\nepochs: 4\n")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "key 'epochs' is given twice" in err and "line 1 and line 2" in err
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim: &o {lr: 1.0e-3, weight_decay: 0.0}\nsched:\n  warmup_epochs: 2\n"
+                    "model_kwargs:\n  <<: {depth: 2, embed_dim: 24}\n  depth: 3\n")
+    cfg = load_config(str(path))
+    assert cfg.model_kwargs == {"depth": 3, "embed_dim": 24} and cfg.optim.weight_decay == 0.0
+
+
 @pytest.mark.parametrize("override, match", [
     ("epochs=abc", "epochs='abc' must be of type int"), ("amp=fp8", "amp='fp8' is not one of"),
     ("batch_size=0", "batch_size=0 must be >= 1"), ("batch_size=3", "must be even for mixup"),

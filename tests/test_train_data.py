@@ -105,14 +105,17 @@ def test_shards_are_counted_and_metadata_gives_the_class_count(tmp_path, caplog)
     meta = {"num_samples": 20, "num_classes": 12, "shards": [os.path.basename(p) for p in paths]}
     (tmp_path / "val.json").write_text(json.dumps(meta))
     counts = count_samples(resolve_source(str(tmp_path), "data.val"))
-    assert counts == {"num_samples": 20, "num_classes": 12, "classes_exact": 1}
+    assert counts["lengths"] == [10, 10]                           # per shard, for the dealing
+    assert {k: counts[k] for k in ("num_samples", "num_classes", "classes_exact")} == {
+        "num_samples": 20, "num_classes": 12, "classes_exact": 1}
     meta["num_samples"] = 999
     (tmp_path / "val.json").write_text(json.dumps(meta))          # stale metadata: the shards win
     assert count_samples(resolve_source(str(tmp_path), "data.val"))["num_samples"] == 20
     assert "says num_samples=999 but the shards hold 20" in caplog.text
     meta["shards"] = ["other.tar"]
     (tmp_path / "val.json").write_text(json.dumps(meta))          # describes other shards
-    assert count_samples(resolve_source(str(tmp_path), "data.val")) == {
+    counts = count_samples(resolve_source(str(tmp_path), "data.val"))
+    assert {k: counts[k] for k in ("num_samples", "num_classes", "classes_exact")} == {
         "num_samples": 20, "num_classes": int(max(y)) + 1, "classes_exact": 0}
 
 
@@ -168,13 +171,14 @@ def test_corrupt_train_samples_are_replaced_and_counted(tmp_path, world, workers
 
 
 def test_corrupt_train_images_in_folder_are_replaced(tmp_path):
-    x, y = digits(40)
-    write_folder(str(tmp_path / "train"), x, y)
-    bad = sorted(str(p) for p in (tmp_path / "train").rglob("*.png"))[:3]
-    for p in bad:
-        with open(p, "wb") as f:
-            f.write(b"not an image")
-    cfg = _cfg(str(tmp_path / "train"), str(tmp_path / "train"))
+    x, y = digits(80)
+    for split, part in (("train", slice(0, 40)), ("val", slice(40, 80))):
+        write_folder(str(tmp_path / split), x[part], y[part])
+        bad = sorted(str(p) for p in (tmp_path / split).rglob("*.png"))[:3]
+        for p in bad:
+            with open(p, "wb") as f:
+                f.write(b"not an image " + split.encode())
+    cfg = _cfg(str(tmp_path / "train"), str(tmp_path / "val"))
     pipe = build_data(cfg, "train")
     sizes, skipped = [], 0
     for xb, yb, s in pipe.loader(0):
@@ -227,3 +231,88 @@ def test_augmentation_posterize_keeps_zero_bits_as_black(shards, policy):
         assert out.size == img.size and out.getextrema() == ((0, 0),) * 3
         assert op.aug_fn(img, 8) is img                               # timm's behaviour otherwise
     assert auto_augment.NAME_TO_OP["Posterize"] is auto_augment.posterize
+
+
+def _indexed_shards(root, sizes):
+    """Shards of the given sizes whose images say their global index (red = 4 x (i % 64),
+    green = 64 x (i // 64)); the label is i % 10."""
+    import webdataset as wds
+    from PIL import Image
+    import io
+    os.makedirs(root, exist_ok=True)
+    i = 0
+    for s, size in enumerate(sizes):
+        with wds.TarWriter(os.path.join(root, f"train-{s:06d}.tar")) as sink:
+            for _ in range(size):
+                buf = io.BytesIO()
+                Image.new("RGB", (8, 8), (4 * (i % 64), 64 * (i // 64), 0)).save(buf, format="PNG")
+                sink.write({"__key__": f"{i:08d}", "png": buf.getvalue(), "cls": str(i % 10).encode()})
+                i += 1
+    return i
+
+
+def _indices(x):
+    means = x.mean(dim=(2, 3)) * 255
+    return [int(round(float(r) / 4)) + 64 * int(round(float(g) / 64)) for r, g in means[:, :2]]
+
+
+@pytest.mark.parametrize("sizes, world, workers", [([40, 40, 40], 2, 0), ([100, 20], 2, 0),
+                                                   ([30, 30, 30, 30, 8], 2, 2)])
+def test_uneven_shards_every_sample_once_per_epoch(tmp_path, sizes, world, workers):
+    """Issue 31.2: shards of uneven sizes per (rank, worker) slot; each epoch visits every
+    sample at most once and all but at most one batch per rank, with equal batches per rank
+    and the same order when rebuilt (what exact resume replays)."""
+    total = _indexed_shards(str(tmp_path), sizes)
+    cfg = _cfg(str(tmp_path), str(tmp_path), f"data.num_workers={workers}", "data.mean=[0,0,0]",
+               "data.std=[1,1,1]", "data.crop_pct=1.0", "data.num_classes=10")
+    for epoch in (0, 1):
+        visits, batches = collections.Counter(), []
+        for rank in range(world):
+            pipe = build_data(cfg, "train", rank, world)
+            order = [i for x, y, _ in pipe.loader(epoch) for i in _indices(x)]
+            again = [i for x, y, _ in build_data(cfg, "train", rank, world).loader(epoch)
+                     for i in _indices(x)]
+            assert order == again                                   # replayable: exact resume
+            batches.append(len(order) // 8)
+            visits.update(order)
+        assert len(set(batches)) == 1 and batches[0] == (total // world) // 8
+        assert max(visits.values()) == 1, "a sample was seen twice in one epoch"
+        assert total - len(visits) <= world * 8                     # at most a batch per rank
+
+
+def test_a_shard_truncated_mid_run_is_one_line_naming_it(tmp_path):
+    """Issue 31.6: a shard cut after the start-up check fails the epoch with one line naming
+    the shard, not the DataLoader worker's traceback."""
+    x, y = digits(60)
+    paths = write_shards(str(tmp_path), "train", x, y, 20)
+    cfg = _cfg(str(tmp_path), str(tmp_path), "data.num_workers=1", "data.on_corrupt=fail")
+    pipe = build_data(cfg, "train")
+    size = os.path.getsize(paths[1])
+    with open(paths[1], "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(DataError) as err:
+        for _ in pipe.loader(0):
+            pass
+    text = str(err.value)
+    assert "\n" not in text and "Traceback" not in text and "DataLoader worker" not in text
+    assert text.startswith(f"shard {paths[1]!r} cannot be read") and err.value.__cause__ is None
+
+
+@pytest.mark.parametrize("label", [b"0_3", b"+3", "\u0663".encode(), b"3.0"])
+def test_a_label_of_anything_but_digits_is_refused(tmp_path, label):
+    """Issue 31.7: int() takes '0_3' as 3; the verifier and the loader take digits only."""
+    import webdataset as wds
+    from train_helpers import png_bytes
+    from train_imagenet.data import verify
+    from train_imagenet.data.stream import parse_cls
+    x, y = digits(4)
+    path = str(tmp_path / "val-000000.tar")
+    with wds.TarWriter(path) as sink:
+        for i in range(4):
+            sink.write({"__key__": f"{i:08d}", "png": png_bytes(x[i]),
+                        "cls": label if i == 2 else str(int(y[i])).encode()})
+    check = verify.check_shards([path], "data.val", 10)
+    assert check.problem and f"has the label {label!r}, not an integer (ASCII digits only)" in check.problem
+    with pytest.raises(ValueError, match="not an integer"):
+        parse_cls(label)
+    assert parse_cls(b"3\n") == 3 and parse_cls(b" 12 ") == 12

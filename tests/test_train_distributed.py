@@ -1,6 +1,9 @@
 """Multi-process runs under torchrun on CPU (gloo): DDP equals one process with the same global
 batch; a worker killed mid-epoch and restarted by torchrun ends where an uninterrupted run
-ends; two torchrun agents (--nnodes=2) rendezvous on localhost and train together."""
+ends; two torchrun agents (--nnodes=2) rendezvous on localhost and train together; a stop
+signal (SIGTERM to the launcher, SIGUSR1 to one rank) ends the run with a checkpoint that
+resumes identically; a node lost outright ends the other with one line, and the job started
+again (as a requeue does) resumes identically."""
 import json
 import os
 import signal
@@ -14,6 +17,8 @@ import torch
 
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
+
+from train_imagenet.preemption import EXIT_PREEMPTED
 
 from train_helpers import digits, write_folder, write_shards
 
@@ -41,15 +46,25 @@ def _torchrun(launcher, args, entry=("-m", "train_imagenet")):
                             text=True, start_new_session=True)
 
 
-def _finish(proc, timeout=420):
+def _finish(proc, timeout=420, ok=True):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)            # the agent and its workers, nothing else
         out, _ = proc.communicate()
         pytest.fail(f"torchrun did not finish in {timeout} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    if ok:
+        assert proc.returncode == 0, out[-4000:]
     return out
+
+
+def _assert_same_weights(a, b):
+    wa, wb = _final(a), _final(b)
+    assert wa["update"] == wb["update"] == 12
+    for k in wa["model"]:
+        assert torch.equal(wa["model"][k], wb["model"][k]), k
+        assert torch.equal(wa["ema"][k], wb["ema"][k]), k
+    assert _json(a / "eval.json")["top1"] == _json(b / "eval.json")["top1"]
 
 
 def _final(run_dir):
@@ -172,3 +187,65 @@ def test_compiled_ddp_equals_eager_one_process(tmp_path):
     diffs = [(a["model"][k] - b["model"][k]).abs().max().item() for k in a["model"]]
     assert max(diffs) < 1e-4, max(diffs)
     assert not any(k.startswith(("_orig_mod.", "module.")) for k in a["model"])  # plain names
+
+
+SIGNAL_AFTER = os.path.join(ROOT, "tests", "signal_after_update.py")
+_PROJECT_FRAME = f'File "{os.path.join(ROOT, "train_imagenet")}'   # a traceback through the trainer
+
+
+@pytest.mark.parametrize("who, stop", [("launcher", None), ("rank1", 8)])
+def test_stop_signal_saves_and_the_resumed_run_ends_identically(shards, reference, tmp_path,
+                                                                who, stop):
+    """`launcher`: SIGTERM to the torchrun agent after update 3 (it passes SIGTERM on to both
+    ranks); `rank1`: SIGUSR1 to rank 1 alone after update 8. Both ranks stop after the same
+    update, rank 0 saves there, the ranks exit 75; the run resumed with resume=auto ends
+    bit-identical to the uninterrupted one, every epoch logged once."""
+    out = tmp_path / "stopped"
+    args = [f"data.train={shards}", f"data.val={shards}", f"output_dir={out}", *TINY, *AUG,
+            "resume=auto"]
+    log = _finish(_torchrun(["--standalone", "--nproc_per_node=2", "--max-restarts=0"], args,
+                            entry=[SIGNAL_AFTER, who, "3" if stop is None else str(stop)]), ok=False)
+    lines = [ln for ln in log.splitlines() if "[train_imagenet] stopped by" in ln]
+    assert len(lines) == 1, log[-4000:]
+    assert f"exit code {EXIT_PREEMPTED}" in lines[0] and _PROJECT_FRAME not in log, log[-4000:]
+    assert list_checkpoints(str(out)), (lines, os.listdir(out))    # "[" in the path is no pattern
+    newest = list_checkpoints(str(out))[-1]
+    assert newest in lines[0]
+    saved = load_checkpoint(newest)
+    if stop is None:
+        assert "stopped by SIGTERM" in lines[0] and 3 <= saved["update"] < 12
+    else:
+        assert "another rank" in lines[0] and saved["update"] == stop       # agreed at update 8
+        assert newest.endswith("ckpt-e0001-u00000008.pth")
+    _finish(_torchrun(["--standalone", "--nproc_per_node=2"], args))
+    _assert_same_weights(reference, out)
+    with open(out / "log.jsonl") as f:
+        assert [json.loads(line)["epoch"] for line in f] == [0, 1]
+
+
+def test_lost_node_says_one_line_and_the_restarted_job_resumes(shards, reference, tmp_path):
+    """Two agents (--nnodes=2, one rank each); after update 5 node 1 is lost outright (its rank
+    SIGKILLs its agent and itself). Node 0's rank prints one line naming rank 1, what it was
+    doing and the checkpoint to resume from, and exits 4; the job started again on both nodes
+    with resume=auto (what scripts/slurm_train.sh's requeue does) ends as the uninterrupted run."""
+    out = tmp_path / "two_nodes"
+    args = [f"data.train={shards}", f"data.val={shards}", f"output_dir={out}", *TINY, *AUG,
+            "resume=auto", "save_every_steps=2", "dist_timeout=60"]
+
+    def launcher():
+        return ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=dcvit-lost", "--max-restarts=0"]
+    port = _free_port()
+    agents = [_torchrun(launcher(), args, entry=[SIGNAL_AFTER, "node1", "5"]) for _ in range(2)]
+    logs = [_finish(agent, ok=False) for agent in agents]
+    lines = [ln for log in logs for ln in log.splitlines() if ln.startswith("error: rank 0 lost")]
+    assert len(lines) == 1, "\n----\n".join(log[-3000:] for log in logs)
+    assert "rank 1 (pid" in lines[0] and "epoch 0" in lines[0] and "resume=auto" in lines[0]
+    newest = list_checkpoints(str(out))[-1]
+    assert f"Resume from {newest}" in lines[0] and newest.endswith("u00000004.pth")
+    node0 = next(log for log in logs if "error: rank 0 lost" in log)
+    assert _PROJECT_FRAME not in node0 and "Connection reset" not in node0, node0[-4000:]
+    port = _free_port()
+    for agent in [_torchrun(launcher(), args) for _ in range(2)]:
+        _finish(agent)
+    _assert_same_weights(reference, out)

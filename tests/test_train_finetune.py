@@ -147,3 +147,24 @@ def test_big_vision_npz_is_read_by_the_models_loader_then_converted():
         ref = expected(x)
         assert ((converted(x) - ref).abs().max() / ref.abs().max()).item() <= 1e-6
     assert dcvit.conversion.is_converted(converted)
+
+
+@pytest.mark.parametrize("name", ["dcvit_tiny", "dcvit_tiny_patch16_224"])
+def test_plain_vit_file_as_pretrained_of_a_dcvit(pretrained, tmp_path, name, caplog):
+    """``pretrained=`` a plain ViT's file with ``model=dcvit_*`` (an alias with no pretrained
+    cfg of its own included) loads it as ``checkpoint=`` does: every ViT tensor is the file's,
+    the DCMHA tensors keep their initialisation; the DCViT's own file then loads whole."""
+    _, weights = pretrained
+    cfg = load_config(None, [f"model={name}"] + TINY[1:] + [f"pretrained={weights}"])
+    model = build_model(cfg)
+    vit = dcvit.weights.read_state_dict(weights)
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in vit.items())
+    assert len(state) - len(vit) == 6 and "6 DCMHA tensors keep their initialisation" in caplog.text
+    with torch.no_grad():
+        for k, v in state.items():
+            if k not in vit:
+                v.add_(1.0)
+    dcvit.save_weights(model, tmp_path / "dc.safetensors")
+    again = build_model(load_config(None, [f"model={name}"] + TINY[1:] + [f"pretrained={tmp_path / 'dc.safetensors'}"]))
+    assert all(torch.equal(v, state[k]) for k, v in again.state_dict().items())

@@ -1,7 +1,7 @@
 """The training loop as a cluster sees it: one host sync and one all-reduce per `log_every`
 updates (not per update), a NaN still caught inside that window and before any save, and
 a progress line every `log_every` updates when stderr is not a terminal; the step itself
-(accumulation, clipping, timm's NativeScaler) against plain torch."""
+(`train_step`: accumulation, clipping, timm's NativeScaler) against plain torch."""
 import itertools
 import re
 
@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import train_imagenet.engine as engine
 from train_imagenet.config import load_config
 from train_imagenet.data import build_data
 from timm.utils import NativeScaler
 
-from train_imagenet.engine import EpochTotals, LoopState, NonFiniteLoss, Step, StepOptions, train_one_epoch
+from train_imagenet.engine import EpochState, Loop, NonFiniteLoss, train_one_epoch, train_step
 
 from train_helpers import digits, write_shards
 
@@ -44,13 +43,16 @@ class _Sched:
         pass
 
 
-def _epoch(pipe, opts, on_update=None, loss_fn=torch.nn.CrossEntropyLoss()):
+def _epoch(pipe, options, on_update=None, loss_fn=torch.nn.CrossEntropyLoss()):
+    """One epoch of a linear model over `pipe`, with the `Loop` settings `options`; the
+    epoch's stats and its final state."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    return train_one_epoch(model, pipe, 0, optimizer=optimizer, scheduler=_Sched(),
-                           loss_fn=loss_fn, device=torch.device("cpu"),
-                           opts=opts, update=0, on_update=on_update)
+    loop = Loop(model, optimizer, _Sched(), loss_fn, torch.device("cpu"), **options)
+    state = EpochState(0, 0)
+    stats = train_one_epoch(loop, pipe, state, on_update)
+    return {**stats, "updates": state.update}
 
 
 def _count_syncs(monkeypatch):
@@ -68,7 +70,7 @@ def _count_syncs(monkeypatch):
     def to_float(self):
         calls["host"] += 1
         return real_float(self)
-    monkeypatch.setattr(engine.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     monkeypatch.setattr(torch.Tensor, "__float__", to_float)
     return calls
@@ -83,14 +85,14 @@ def _count_syncs(monkeypatch):
 def test_one_sync_and_one_reduce_per_window(pipe, group, monkeypatch, log_every, save_every, checks):
     """12 updates: a window ends after log_every updates, at a save, and at the epoch's end."""
     calls = _count_syncs(monkeypatch)
-    stats = _epoch(pipe, StepOptions(log_every=log_every, save_every=save_every))
+    stats = _epoch(pipe, dict(log_every=log_every, save_every=save_every))
     assert stats["updates"] == 12
     assert calls == {"all_reduce": checks, "host": checks}
 
 
 def test_mean_loss_is_independent_of_the_window(pipe):
-    a = _epoch(pipe, StepOptions(log_every=1))["train_loss"]
-    b = _epoch(pipe, StepOptions(log_every=7))["train_loss"]
+    a = _epoch(pipe, dict(log_every=1))["train_loss"]
+    b = _epoch(pipe, dict(log_every=7))["train_loss"]
     assert a == pytest.approx(b, rel=1e-6)
 
 
@@ -98,32 +100,32 @@ def test_mean_loss_is_independent_of_the_window(pipe):
 def test_nan_caught_in_its_window_before_any_save(pipe, group, save_every):
     saved, calls = [], itertools.count(1)
 
-    def on_update(epoch, batch_done, update, totals):
-        if save_every and update % save_every == 0:
-            saved.append(update)
+    def on_update(state):
+        if save_every and state.update % save_every == 0:
+            saved.append(state.update)
 
     def nan_at_7(out, y):                                 # one call per update here
         loss = torch.nn.functional.cross_entropy(out, y)
         return loss * float("nan") if next(calls) == 7 else loss
     with pytest.raises(NonFiniteLoss, match=r"loss is nan at epoch 0, update 7 \(found at batch"):
-        _epoch(pipe, StepOptions(log_every=5, save_every=save_every), on_update, nan_at_7)
+        _epoch(pipe, dict(log_every=5, save_every=save_every), on_update, nan_at_7)
     assert saved == ([4] if save_every else [])          # update 8's save never ran
 
 
 def test_step_lines_without_a_terminal(pipe, capsys):
-    _epoch(pipe, StepOptions(log_every=5, step_lines=True))
+    _epoch(pipe, dict(log_every=5, step_lines=True))
     lines = [line for line in capsys.readouterr().err.splitlines() if "step" in line]
     assert [re.search(r"step (\d+/\d+)", line).group(1) for line in lines] == ["5/12", "10/12", "12/12"]
     pattern = (r"^\[train_imagenet\] epoch 0 step \d+/12 loss \d+\.\d{4} lr \d\.\d{2}e-\d\d "
                r"img/s \d+ ETA \d+:\d\d:\d\d$")
     assert all(re.match(pattern, line) for line in lines), lines
-    _epoch(pipe, StepOptions(log_every=5))                  # off: nothing printed
+    _epoch(pipe, dict(log_every=5))                  # off: nothing printed
     assert "step" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scaler", [None, "native"])
 def test_step_accumulates_clips_and_steps_like_plain_torch(scaler):
-    """Two micro-batches of one update (accum_steps=2, clip 0.1) through `Step`, without a
+    """Two micro-batches of one update (accum_steps=2, clip 0.1) through `train_step`, without a
     scaler (bf16/fp32) or with timm's NativeScaler (its GradScaler on CPU: the power-of-two
     scale is exact): the same as backward of each half loss, clip_grad_norm_, one step."""
     def setup():
@@ -132,16 +134,15 @@ def test_step_accumulates_clips_and_steps_like_plain_torch(scaler):
         return model, torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = torch.randn(2, 8, 4) * 10, torch.randint(0, 3, (2, 8))
     a, opt_a = setup()
-    step = Step(opt_a, _Sched(), torch.nn.functional.cross_entropy, torch.device("cpu"),
-                StepOptions(accum_steps=2, clip_grad=0.1),
-                scaler=NativeScaler("cpu") if scaler else None)
-    state = LoopState(0, 0, 0, EpochTotals(), torch.zeros(()), torch.zeros(5))
+    loop = Loop(a, opt_a, _Sched(), torch.nn.functional.cross_entropy, torch.device("cpu"),
+                scaler=NativeScaler("cpu") if scaler else None, accum_steps=2, clip_grad=0.1)
+    state = EpochState(0, 0, pending=torch.zeros(()), window=torch.zeros(5))
     before = [p.detach().clone() for p in a.parameters()]
-    state = step(a, (x[0], y[0], 0), state)                      # accumulate only
+    state = train_step(loop, (x[0], y[0], 0), state)             # accumulate only
     assert (state.update, state.batch, state.in_window) == (0, 1, 0)
     assert all(p.grad is not None for p in a.parameters())
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
-    state = step(a, (x[1], y[1], 2), state)
+    state = train_step(loop, (x[1], y[1], 2), state)
     assert (state.update, state.batch, state.in_window) == (1, 2, 1)
     assert (state.totals.samples, state.totals.skipped) == (16, 2)
     assert all(p.grad is None for p in a.parameters())          # zeroed after the update
@@ -164,12 +165,12 @@ def test_native_scaler_skips_a_non_finite_update():
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = NativeScaler("cpu")
-    step = Step(opt, _Sched(), lambda out, y: out.sum() * float("inf"), torch.device("cpu"),
-                StepOptions(), scaler=scaler)
+    loop = Loop(model, opt, _Sched(), lambda out, y: out.sum() * float("inf"),
+                torch.device("cpu"), scaler=scaler)
     before = [p.detach().clone() for p in model.parameters()]
     scale = scaler.state_dict()["scale"]
-    state = step(model, (torch.randn(8, 4), torch.zeros(8, dtype=torch.long), 0),
-                 LoopState(0, 0, 0, EpochTotals(), torch.zeros(()), torch.zeros(5)))
+    state = train_step(loop, (torch.randn(8, 4), torch.zeros(8, dtype=torch.long), 0),
+                       EpochState(0, 0, pending=torch.zeros(()), window=torch.zeros(5)))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     assert scaler.state_dict()["scale"] == scale / 2 and state.update == 1
     assert not torch.isfinite(state.window[0])

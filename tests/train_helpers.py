@@ -1,7 +1,7 @@
 """Small real data for the training tests: scikit-learn's digits as 32x32 RGB images, written
 as WebDataset shards (with webdataset.TarWriter) or as an ImageFolder; the trainer's tiny
 run (TINY_RUN); faults a test injects
-(a NaN loss); torchrun's workers."""
+(a NaN loss); torchrun's workers; a run's log records."""
 import dataclasses
 import io
 import itertools
@@ -98,6 +98,13 @@ def nan_loss_at(monkeypatch, update: int) -> None:
             return loss * float("nan") if next(calls) == update else loss
         return dataclasses.replace(recipe, loss_fn=nan_at)
     monkeypatch.setattr(trainer, "build_recipe", build_recipe)
+
+
+def read_records(run_dir) -> List[dict]:
+    """The records of a run's log.jsonl, in order."""
+    import json
+    with open(os.path.join(run_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 def torchrun_workers(agent_pid: int) -> dict:

@@ -10,21 +10,26 @@ labels of both splits, checkpoint checksum and architecture) runs before trainin
 and the run's config.yaml is written only once they all passed.
 """
 import argparse
+import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .checkpoint import CheckpointError, list_checkpoints, load_latest, seed_all
+from dcvit.io import atomic_write
+
+from .checkpoint import CheckpointError, list_checkpoints, seed_all
 from .config import Config, ConfigError, load_config
 from .data import DataError, build_data, count_samples, is_remote, resolve_source
-from .distributed import (DistInfo, broadcast_object, init_distributed, log_main, shutdown,
-                          timeout_message, waiting_for)
+from .distributed import (DistInfo, broadcast_object, init_distributed, log_main,
+                          lost_peer_message, shutdown, timeout_message, waiting_for)
 from .engine import NonFiniteLoss
+from .preemption import EXIT_PREEMPTED, Preempted, StopOnSignal, received
 from .finetune import conversion_to_apply
 from .model import build_model, input_norm
 from .recipe import check_recipe
 from .run_lock import RunDirError, RunLock, prepare_run_dir
+from .start import checkpoint_to_start
 from .trainer import evaluate_checkpoint, train
 
 __all__ = ["main", "run"]
@@ -67,15 +72,6 @@ def _counts(cfg: Config, split: str, info: DistInfo) -> Dict[str, int]:
         f"check of data.{split} (its shards and labels)")
 
 
-def _latest_checkpoint(run_dir: str, info: DistInfo) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:
-    """The newest checkpoint in `run_dir` that verifies, picked on rank 0 (damaged newer ones
-    are set aside with a warning) and broadcast, so every rank loads the same file even if
-    their views of the disk differ; (path, its content) on rank 0, (path, None) elsewhere."""
-    waiting_for("rank 0's choice of the checkpoint to resume from")
-    path, state = load_latest(run_dir) if info.is_main else (None, None)
-    return broadcast_object(path), state
-
-
 def run(cfg: Config) -> int:
     check_recipe(cfg)
     if cfg.threads:
@@ -95,13 +91,7 @@ def run(cfg: Config) -> int:
         # The checkpoint this run loads (picked once; a damaged newest one is set aside) decides
         # whether it converts (a converted run's checkpoint converts again) and whether the
         # pretrained file is read (not when resuming/evaluating).
-        if cfg.eval_only:
-            start, state = (cfg.checkpoint, None) if cfg.checkpoint else \
-                _latest_checkpoint(cfg.output_dir, info)
-        elif cfg.resume == "auto":
-            start, state = _latest_checkpoint(cfg.output_dir, info)
-        else:
-            start, state = cfg.resume, None
+        start, state = checkpoint_to_start(cfg, info)
         resuming = cfg.eval_only or bool(start)
         conversion_to_apply(cfg, start or cfg.checkpoint, lambda msg: log_main(info, msg))
         seed_all(cfg.seed)  # the same initial weights on every rank and world size
@@ -113,7 +103,8 @@ def run(cfg: Config) -> int:
         model.to(device)
         if cfg.eval_only:
             return evaluate_checkpoint(cfg, model, val, info, start)
-        return train(cfg, model, train_data, val, info, start, state)
+        with StopOnSignal():
+            return train(cfg, model, train_data, val, info, start, state)
     finally:
         for lock in held:
             lock.release()
@@ -131,10 +122,34 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """`run` with its exit code (see `_main`); rank 0 also writes the code to the file that the
+    environment variable DCVIT_EXIT_FILE names, if set (scripts/slurm_train.sh reads it to
+    decide whether to requeue the job: an uncaught exception is written as 1)."""
+    code: Any = 1
+    try:
+        code = _main(argv)
+        return code
+    except SystemExit as e:
+        code = e.code
+        raise
+    finally:
+        path = os.environ.get("DCVIT_EXIT_FILE")
+        if path and os.environ.get("RANK", "0") == "0":
+            atomic_write(path, lambda tmp: _write_text(tmp, f"{code}\n"))
+
+
+def _write_text(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _main(argv: Optional[List[str]] = None) -> int:
     """Exit codes: 0 done, 2 bad config/data/checkpoint/output directory, 3 non-finite loss,
-    4 a collective that waited longer than dist_timeout, each with a one-line message (and
-    the traceback with --debug). The errors of 2 and 3 are raised on every rank alike, so the
-    process group is closed cleanly; after a timeout, and for any other exception (which
+    4 a collective that waited longer than dist_timeout or lost a peer rank's process or
+    node, 75 stopped by SIGTERM/SIGUSR1 with a checkpoint (`preemption`), each with a one-line
+    message (and the traceback with --debug). The errors of 2 and 3 and a stop are raised on
+    every rank alike, so the process group is closed cleanly; after a timeout or a lost peer,
+    and for any other exception (which
     propagates), it is not closed (closing could wait for a peer blocked in a collective),
     and torchrun then stops the remaining ranks."""
     args = parse_args(argv)
@@ -152,13 +167,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         code = 2
+    except Preempted as p:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[train_imagenet] stopped by {received() or 'a stop signal to another rank'} "
+                  f"after epoch {p.epoch}, batch {p.batch}, update {p.update}: {p.path} holds the "
+                  f"run up to there; exit code {EXIT_PREEMPTED} (run it again with resume=auto "
+                  f"to continue)", file=sys.stderr, flush=True)
+        code = EXIT_PREEMPTED
     except Exception as e:
-        line = timeout_message(e, cfg.dist_timeout if cfg else 0)
-        if line is None or args.debug:
+        timeout, lost = timeout_message(e, cfg.dist_timeout if cfg else 0), lost_peer_message(e)
+        if (timeout or lost) is None or args.debug:
             raise
         kept = list_checkpoints(cfg.output_dir) if cfg else []
-        print(f"error: {line}; the last checkpoint is {kept[-1] if kept else 'none yet'}",
-              file=sys.stderr, flush=True)
+        last = kept[-1] if kept else ""
+        resume = f"Resume from {last}: run the job again with resume=auto" if last else \
+            "No checkpoint was saved yet: run the job again"
+        print(f"error: {timeout}; the last checkpoint is {last or 'none yet'}" if timeout else
+              f"error: {lost}. {resume}", file=sys.stderr, flush=True)
         return 4
     shutdown()
     return code

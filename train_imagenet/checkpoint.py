@@ -10,7 +10,8 @@ for its log record, mid-epoch) and ``record`` (the train record of the epoch jus
 at an epoch boundary, logged once its evaluation is done). Files are
 ``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a temporary name and
 renamed, so a crash never leaves a half-written checkpoint under a real name, and a write
-that fails (a full disk) leaves the previous checkpoints as they were.
+that fails (a full disk, a run directory made unwritable) leaves the previous checkpoints as
+they were and is a `CheckpointError` saying so.
 
 Every checkpoint carries ``checksum``: the SHA-256 of its content (each tensor's dtype, shape
 and bytes, every other value's type and repr, in order), checked whenever it is loaded, so
@@ -110,16 +111,36 @@ def save_checkpoint(state: Dict[str, Any], run_dir: str, keep: int = 2) -> str:
     try:
         atomic_write(path, lambda tmp: _save(state, tmp))
     except (OSError, RuntimeError) as e:
-        if not _out_of_space(e):
-            raise
         kept = list_checkpoints(run_dir)
+        last = kept[-1] if kept else "none was saved yet"
+        if _out_of_space(e):
+            raise CheckpointError(
+                f"no space left on {_device_of(run_dir)} writing {path}; the previous checkpoint is "
+                f"kept ({last}). Free space there (or set output_dir elsewhere and copy the run), "
+                f"then resume=auto") from e
+        denied = _denied(e)
+        if denied is None:
+            raise
         raise CheckpointError(
-            f"no space left on {_device_of(run_dir)} writing {path}; the previous checkpoint is "
-            f"kept ({kept[-1] if kept else 'none was saved yet'}). Free space there (or set "
-            f"output_dir elsewhere and copy the run), then resume=auto") from e
+            f"cannot write {denied.filename or path} ({denied.strerror}): output_dir {run_dir} is no "
+            f"longer writable; the checkpoints already there are intact (the newest: {last}). Make "
+            f"it writable again (or copy the run to a writable output_dir), then resume=auto") from e
     for old in list_checkpoints(run_dir)[:-keep]:
-        os.remove(old)
+        try:
+            os.remove(old)
+        except OSError as e:          # the new one is written; the next save reports the folder
+            _logger.warning("cannot remove the old checkpoint %s (%s); it is kept", old, e.strerror)
     return path
+
+
+def _denied(e: Optional[BaseException]) -> Optional[OSError]:
+    """The OSError in `e`'s chain that refused access (EACCES, EPERM: permissions; EROFS: a
+    file system mounted read-only), or None."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _out_of_space(e: Optional[BaseException]) -> bool:
@@ -158,7 +179,7 @@ def list_checkpoints(run_dir: str) -> List[str]:
     """Checkpoints in `run_dir`, oldest first (by epoch, then update count: a run resumed at
     an epoch boundary with fewer updates per epoch counts on from a lower update)."""
     found = [(int(m.group(1)), int(m.group(2)), p)
-             for p in glob.glob(os.path.join(run_dir, "ckpt-*.pth"))
+             for p in glob.glob(os.path.join(glob.escape(run_dir), "ckpt-*.pth"))
              if (m := _NAME.search(os.path.basename(p)))]
     return [p for _, _, p in sorted(found)]
 
@@ -172,11 +193,13 @@ def load_error(path: str, e: Exception, what: str = "checkpoint") -> CheckpointE
     if isinstance(e, pickle.UnpicklingError):
         found = re.search(r"WeightsUnpickler error:\s*(.*?)\s*(?:\n\n|$)", str(e), re.S)
         reason = f" ({found.group(1).strip()})" if found else ""
+        timm = ("; a checkpoint of timm's train.py holds its argparse.Namespace: timm's "
+                "clean_checkpoint.py writes its weights alone" if "argparse.Namespace" in str(e) else "")
         return CheckpointError(
             f"{name} is not a safe checkpoint: it is a pickle holding more than tensors "
             f"and plain values{reason}, and such a file is never unpickled (it could run code). "
             f"Use a checkpoint of this package, a .safetensors file (dcvit.save_weights) or a "
-            f"torch.save'd state dict of tensors")
+            f"torch.save'd state dict of tensors{timm}")
     return CheckpointError(f"{name} cannot be read: it is truncated or damaged "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:300]})")
 
@@ -195,10 +218,22 @@ def load_checkpoint(path: str) -> Dict[str, Any]:
             raise CheckpointError(f"checkpoint {path!r} is damaged: its content does not match "
                                   f"the checksum saved with it (bytes changed on disk); use an "
                                   f"earlier checkpoint (resume=auto falls back to one)")
-    elif "arch" in state:
-        _logger.warning("checkpoint %r has no checksum (saved by an older version): not verified",
-                        path)
+    elif isinstance(state.get("arch"), dict):
+        _logger.warning("checkpoint %r has no checksum (saved by an older version of "
+                        "train_imagenet): not verified", path)
+    elif "arch" in state or "state_dict" in state:
+        _logger.warning("checkpoint %r was written elsewhere (%s), not by python -m train_imagenet: "
+                        "it has no checksum to verify; its weights are read as a state dict",
+                        path, _written_by(state))
     return state
+
+
+def _written_by(state: Dict[str, Any]) -> str:
+    """What wrote a checkpoint of another program, as far as its keys tell."""
+    arch, epoch = state.get("arch"), state.get("epoch")
+    if isinstance(arch, str) and "state_dict" in state:   # timm's CheckpointSaver
+        return f"timm's train.py: arch {arch!r}" + (f", epoch {epoch}" if isinstance(epoch, int) else "")
+    return f"arch {arch!r}" if isinstance(arch, str) else "keys " + ", ".join(map(str, list(state)[:5]))
 
 
 def load_latest(run_dir: str, set_aside: bool = True) -> Tuple[Optional[str], Optional[Dict[str, Any]]]:

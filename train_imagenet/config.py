@@ -8,6 +8,9 @@ line) is an error that names the closest known keys. Values are parsed as YAML a
 against the declared type. A file may build on another with ``base: OTHER.yaml``
 (`config_layers`): a recipe is written once, and each model's file states only what differs.
 ``save_config`` writes the resolved config to the run directory.
+
+It is one module over 400 lines because the declarations are the documentation of every key
+(each field with its comment); split, a reader would look in two places for one key.
 """
 import dataclasses
 import os
@@ -33,8 +36,17 @@ class ConfigError(ValueError):
 @dataclass
 class DataConfig:
     train: str = ""                  # WebDataset shards ('DIR/train-{000000..000099}.tar', a
-                                     # directory of .tar files) or an ImageFolder directory
+                                     # directory of .tar files), timm's WebDataset folder, a
+                                     # Hugging Face Parquet folder, an ImageFolder directory,
+                                     # a torchvision ImageNet root (docs/data.md)
     val: str = ""
+    train_split: str = ""            # the split of data.train to read; '' = 'train'
+    val_split: str = ""              # '' = 'validation' or 'val', whichever the folder has
+    train_labels: str = ""           # labels file of a flat image folder in data.train
+    val_labels: str = ""             # labels file of a flat image folder in data.val
+    label_offset: int = 0            # subtracted from integer labels of a labels file (1: 1-based)
+    label_names: str = ""            # names of a labels file's integers (devkit meta.mat, a list)
+    kind: str = ""                   # '' (from what is on disk) or one of data.KINDS
     num_classes: int = 1000
     img_size: int = 224
     train_samples: Optional[int] = None   # samples in data.train; counted at start-up if unset
@@ -160,6 +172,8 @@ class Config:
         _choice("amp", self.amp, ("none", "bf16", "fp16"))
         _choice("device", self.device, ("auto", "cpu", "cuda"))
         _choice("data.on_corrupt", self.data.on_corrupt, ("skip", "fail"))
+        _choice("data.kind", self.data.kind, ("", "shards", "timm-wds", "parquet", "imagefolder",
+                                              "torchvision", "flat"))
         _choice("convert.init", self.convert.init, ("identity", "paper"))
         if self.convert.lr_mult < 0:
             raise ConfigError(f"convert.lr_mult={self.convert.lr_mult!r} must be >= 0")
@@ -311,9 +325,32 @@ def _apply(obj: Any, key: str, value: Any) -> None:
     setattr(target, name, _coerce(key, value, hints[name]))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, but a key given twice in one mapping is a ConfigError instead of
+    the last one silently winning (keys brought in by a ``<<`` merge may be overridden)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> Dict[Any, Any]:
+        first: Dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else ():
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, typing.Hashable):
+                continue              # PyYAML's own error follows
+            a, b = first.setdefault(key, key_node).start_mark, key_node.start_mark
+            if a is not b:
+                where = (f"line {a.line + 1} and line {b.line + 1}" if a.line != b.line else
+                         f"line {a.line + 1}, columns {a.column + 1} and {b.column + 1}")
+                raise ConfigError(f"key {key!r} is given twice in one mapping ({where}); the second "
+                                  f"would replace the first: keep one")
+        return super().construct_mapping(node, deep=deep)
+
+
 def _parse_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where} is not valid YAML: {' '.join(str(e).split())}") from None
 

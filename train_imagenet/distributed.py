@@ -4,21 +4,31 @@ Every collective waits at most ``dist_timeout`` seconds for the other ranks (the
 group's timeout). What the ranks are waiting for is kept in `waiting_for` (set by the
 callers: the start-up checks, a loss check or gradient all-reduce of an update, an
 evaluation, a save), so a collective that times out (a rank stopped, hung or lost) ends the
-run with one line naming the rank and that (`timeout_message`), not a hang.
+run with one line naming the rank and that (`timeout_message`), not a hang. A peer whose
+process or node is gone (gloo: "Connection reset by peer") ends it with one line naming the
+lost rank, found from the table of every rank's host and process id gathered at start-up
+(`lost_peer_message`).
 """
 import datetime
 import os
+import re
+import socket
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["DistInfo", "init_distributed", "log_main", "barrier", "broadcast_object", "all_gather_object",
-           "all_reduce_mean", "shutdown", "waiting_for", "timeout_message"]
+           "all_reduce_mean", "any_rank", "shutdown", "waiting_for", "timeout_message",
+           "lost_peer_message"]
 
-_group = {"rank": 0, "what": "the start-up"}   # for `timeout_message`
+# for the one-line messages: this rank, what it waits for, every rank's (host, pid); and the
+# group of the host-side flags (`any_rank`): the default group on gloo, a gloo group beside NCCL
+_group: Dict[str, Any] = {"rank": 0, "what": "the start-up", "peers": [], "host_group": None}
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Connection refused", "ECONNRESET", "EPIPE")
 
 
 def waiting_for(what: str) -> None:
@@ -37,6 +47,56 @@ def timeout_message(e: BaseException, timeout_s: float) -> Optional[str]:
             f"the other ranks in {_group['what']}: a rank stopped, hung or was lost. Restart the "
             f"run (resume=auto continues from its last checkpoint); raise dist_timeout if that "
             f"step legitimately takes longer")
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` of this host has ended (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _lost_ranks(text: str) -> Tuple[List[int], str]:
+    """The ranks whose process has ended (those on this host, by process id) or, for ranks on
+    other hosts, those of the host the error names; and how they were found, in words."""
+    peers: List[Tuple[str, int]] = _group["peers"]
+    here = socket.gethostname()
+    lost = [r for r, (host, pid) in enumerate(peers) if host == here and r != _group["rank"]
+            and _gone(pid)]
+    if lost:
+        return lost, "process ended"
+    match = re.search(r"\[([^\]]+)\]:\d+|(\d+\.\d+\.\d+\.\d+):\d+", text)
+    addr = (match.group(1) or match.group(2)) if match else None
+    by_host: Dict[str, List[int]] = {}
+    for r, (host, _) in enumerate(peers):
+        if host != here:
+            by_host.setdefault(host, []).append(r)
+    for host, ranks in by_host.items():
+        try:
+            if addr and addr in {a[4][0] for a in socket.getaddrinfo(host, None)}:
+                return ranks, f"host {host}"
+        except OSError:
+            continue
+    others = [r for hosts in by_host.values() for r in hosts]
+    return others, "on another host" if others else "unknown"
+
+
+def lost_peer_message(e: BaseException) -> Optional[str]:
+    """One line for a collective that failed because a peer's process or node is gone (gloo's
+    "Connection reset by peer" and the like): this rank, the lost rank(s) and what this rank
+    was doing; None for other errors."""
+    text = str(e)
+    if not (_group["peers"] and isinstance(e, RuntimeError) and any(k in text for k in _PEER_GONE)):
+        return None
+    lost, how = _lost_ranks(text)
+    peers = _group["peers"]
+    names = ", ".join(f"rank {r} (pid {peers[r][1]} on {peers[r][0]})" for r in lost[:8]) + \
+        (f" and {len(lost) - 8} more" if len(lost) > 8 else "")
+    who = names if lost else "a peer rank"
+    return (f"rank {_group['rank']} lost {who} in {_group['what']} ({how}): its process or node "
+            f"stopped")
 
 
 @dataclass
@@ -80,6 +140,12 @@ def init_distributed(device: str = "auto", timeout_s: float = 3600) -> DistInfo:
                                 store=dist.PrefixStore(f"train_imagenet/attempt_{attempt}", store),
                                 rank=rank, world_size=world, device_id=dev if want_cuda else None,
                                 timeout=timeout)
+        if want_cuda:   # `any_rank`'s flags stay on the host
+            _group["host_group"] = dist.new_group(backend="gloo", timeout=timeout)
+        peers: List[Any] = [None] * world
+        dist.all_gather_object(peers, (socket.gethostname(), os.getpid()),
+                               group=_group["host_group"])
+        _group["peers"] = peers
     _group["rank"] = rank
     return DistInfo(rank, world, local, dev)
 
@@ -117,6 +183,16 @@ def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
     t = t.clone()
     dist.all_reduce(t)
     return t / dist.get_world_size()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether `flag` is true on any rank: one all-reduce of one integer on the host (gloo, so
+    it never waits for a GPU), none when this process is alone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group["host_group"])
+    return bool(t.item())
 
 
 def shutdown() -> None:

@@ -80,11 +80,13 @@ def pretrained_kwargs(cfg: Config) -> Dict[str, Any]:
 
     ``.npz``/``.npy`` go to the model's ``load_pretrained`` (big_vision files for timm's ViTs).
     Other files are read once here: a classifier that fits ``data.num_classes`` is kept, one
-    that does not is left at its initialisation (logged); a file of a converted model is a
-    ConfigError (it loads after conversion: ``checkpoint=``).
+    that does not is left at its initialisation (logged). A plain ViT's file loads into a
+    ``dcvit_*`` model as ``checkpoint=`` does (the DCMHA tensors keep their initialisation,
+    `dcvit.models.checkpoint_filter_fn`); a file with DCMHA tensors loads into a model that
+    has them, and is a ConfigError for a plain one (it loads after conversion: ``checkpoint=``).
     """
     import timm
-    from timm.models import get_pretrained_cfg_value, load_state_dict
+    from timm.models import load_state_dict
     from dcvit.conversion import is_dcmha_key
     path = cfg.pretrained
     if not os.path.isfile(path):
@@ -96,12 +98,12 @@ def pretrained_kwargs(cfg: Config) -> Dict[str, Any]:
     except Exception as e:
         raise ConfigError(f"pretrained={path!r} cannot be read ({type(e).__name__}: {e})") from e
     dc = [k for k in state if is_dcmha_key(k)]
-    if dc:
+    if dc and not _has_dcmha(cfg, dc[0]):
         raise ConfigError(f"pretrained={path!r} is a model converted to DCMHA ({len(dc)} DCMHA tensors, e.g. "
                           f"{dc[0]!r}); pretrained= is read before conversion: load it with "
                           f"checkpoint={path} and convert.enabled=true with the options it was converted with")
     overlay: Dict[str, Any] = {"state_dict": state}
-    classifier = get_pretrained_cfg_value(cfg.model, "classifier") if timm.is_model(cfg.model) else None
+    classifier = _classifier(cfg)
     for name in ([classifier] if isinstance(classifier, str) else classifier or []):
         weight = state.get(f"{name}.weight")
         if weight is not None:
@@ -110,6 +112,39 @@ def pretrained_kwargs(cfg: Config) -> Dict[str, Any]:
                 _logger.warning("pretrained=%s has a %d-class %s; data.num_classes=%d: it starts from "
                                 "its initialisation", path, weight.shape[0], name, cfg.data.num_classes)
     return {"pretrained": True, "pretrained_cfg_overlay": overlay}
+
+
+def _classifier(cfg: Config) -> Any:
+    """The classifier's module name(s) in the pretrained cfg of ``cfg.model``; for a name with
+    no cfg of its own (``dcvit_tiny``, an alias of ``dcvit_tiny_patch16_224``), the cfg its
+    builder resolves (read from `_meta_model`)."""
+    import timm
+    from timm.models import get_pretrained_cfg
+    if not timm.is_model(cfg.model):
+        return None                   # build_model names the bad model
+    pcfg = get_pretrained_cfg(cfg.model, allow_unregistered=True)
+    if pcfg is not None:
+        return pcfg.classifier
+    model = _meta_model(cfg)
+    return (getattr(model, "pretrained_cfg", None) or {}).get("classifier") if model is not None else None
+
+
+def _has_dcmha(cfg: Config, key: str) -> bool:
+    """Whether ``cfg.model`` itself has the DCMHA tensor ``key`` (a ``dcvit_*`` model)."""
+    model = _meta_model(cfg)
+    return model is not None and key in model.state_dict()
+
+
+def _meta_model(cfg: Config) -> Optional[torch.nn.Module]:
+    """``cfg.model`` built on the meta device (no memory, no initialisation); None if it does
+    not build (build_model reports why)."""
+    import timm
+    kwargs = {k: v for k, v in cfg.model_kwargs.items() if k != "num_classes"}
+    try:
+        with torch.device("meta"):
+            return timm.create_model(cfg.model, num_classes=cfg.data.num_classes, **kwargs)
+    except Exception:
+        return None
 
 
 def param_group_fn(cfg: Config, weight_decay: float):

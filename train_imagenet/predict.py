@@ -13,8 +13,12 @@ the config saved in it, timm's ``create_transform``); for a folder, the ``pretra
 its ``config.json`` (timm's ``resolve_model_data_config``).
 
 The images are a folder (every file with an image extension, sub-folders included, in path
-order) or a WebDataset shard set (a ``.tar``, a brace pattern, or a directory of ``.tar``
-files; samples as ``scripts/make_wds_shards.py`` writes them, their label kept in the output).
+order, walked by the converter's rule, `train_imagenet.images.image_files`: linked
+sub-folders are read, a link that would read a file twice or leads nowhere is refused) or a
+WebDataset shard set (a ``.tar``, a brace pattern, or a directory of ``.tar`` files; samples
+as ``scripts/make_wds_shards.py`` writes them, their label kept in the output). Each image is
+decoded by `train_imagenet.images.open_image`: the 8-bit RGB picture it shows (16-bit and
+float images scaled, transparency on white, EXIF orientation applied, a pixel limit).
 
 Class names, first found: ``--classes FILE`` (a JSON list, one name per class, e.g. a shard
 set's ``classes.json``); the ``classes.json`` beside the shards the checkpoint was trained on
@@ -29,7 +33,8 @@ images, class names that do not match the model and a corrupt image under ``fail
 status 2 and a message naming the fix; nothing is written then.
 
 CSV: one row per image, ``image`` (its path relative to the folder, or ``SHARD/KEY``),
-``label`` (shards only), then ``class_i``, ``name_i``, ``prob_i`` for i = 1..k. JSON:
+``label`` (shards only), then ``class_i``, ``name_i``, ``prob_i`` for i = 1..k, in UTF-8 (a
+file name whose bytes are not UTF-8 has them as ``\\xNN``, `csv_name`, and stderr notes it). JSON:
 ``{"checkpoint", "classes" (the file the names came from, or null), "top_k", "skipped",
 "predictions": [{"image", "label"?, "top": [{"class", "name", "prob"}, ...]}, ...]}``.
 Probabilities are the softmax of the logits. ``--device auto`` runs on CUDA when available.
@@ -48,15 +53,16 @@ import torch
 import yaml
 from PIL import Image
 
-from dcvit.io import unwritable_dir, write_json, write_text
+from dcvit.io import atomic_write, unwritable_dir, write_json
 from dcvit.schema import CLASSES_FILE, IMAGE_EXTENSIONS, LABEL_EXTENSION
 
 from .checkpoint import CheckpointError, load_checkpoint, load_latest, load_model_weights
 from .config import ConfigError, load_config
 from .data import DataError, build_transform, resolve_source
+from .images import FolderError, ImageError, image_files, open_image
 from .model import build_model, input_norm
 
-__all__ = ["PredictError", "Predictor", "load_predictor", "list_images", "predict", "main"]
+__all__ = ["PredictError", "Predictor", "load_predictor", "list_images", "predict", "csv_name", "main"]
 
 
 class PredictError(ValueError):
@@ -194,20 +200,18 @@ def list_images(spec: str) -> Tuple[List[Item], Tuple[Optional[List[str]], Optio
     classes.json is beside it."""
     if os.path.isdir(spec) and not any(n.endswith(".tar") for n in os.listdir(spec)):
         root = Path(spec)
-        files = sorted(p for p in root.rglob("*")
-                       if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
-        items = [(str(p.relative_to(root)), None, lambda p=p: _open(p)) for p in files]
+        try:
+            files = image_files(root)
+        except FolderError as e:
+            raise PredictError(str(e)) from e
+        items = [(str(p.relative_to(root)), None, lambda p=p, n=str(p.relative_to(root)): open_image(p, n))
+                 for p, _ in files]
         return items, (None, None)
     try:
         source = resolve_source(spec, "images")
     except DataError as e:
         raise PredictError(str(e).replace("images=", "the images ")) from e
     return list(_shard_items(source.shards)), _classes_beside(source.shards)
-
-
-def _open(path: Any) -> Image.Image:
-    with Image.open(path) as im:
-        return im.convert("RGB")
 
 
 def _shard_items(shards: Sequence[str]) -> Iterator[Item]:
@@ -223,11 +227,11 @@ def _shard_items(shards: Sequence[str]) -> Iterator[Item]:
             name = f"{os.path.basename(shard)}/{s['__key__']}"
             data = s[ext] if ext else None
             yield (name, int(label) if label is not None else None,
-                   lambda data=data: _open(io.BytesIO(data)) if data is not None else _no_image())
+                   lambda data=data, name=name: open_image(data, name) if data is not None else _no_image(name))
 
 
-def _no_image() -> Image.Image:
-    raise ValueError(f"no image member ({'/'.join(IMAGE_EXTENSIONS)}) in the sample")
+def _no_image(name: str) -> Image.Image:
+    raise ImageError(f"no image member ({'/'.join(IMAGE_EXTENSIONS)}) in the sample", name)
 
 
 # ------------------------------------------------------------------------------- prediction
@@ -259,11 +263,11 @@ def predict(predictor: Predictor, items: Sequence[Item], top_k: int = 5, batch_s
         for name, label, opener in bar:
             try:
                 image = opener()
-            except Exception as e:        # PIL raises many types for broken files
+            except ImageError as e:
                 if on_corrupt == "fail":
-                    raise PredictError(f"image {name!r} cannot be decoded ({e}); remove it, or pass "
+                    raise PredictError(f"image {name!r}: {e.reason}; remove it, or pass "
                                        f"--on-corrupt skip to skip and count such images") from e
-                skipped.append({"image": name, "error": f"{type(e).__name__}: {e}"})
+                skipped.append({"image": name, "error": e.reason})
                 continue
             batch.append((name, label, predictor.transform(image)))
             if len(batch) == batch_size:
@@ -271,6 +275,17 @@ def predict(predictor: Predictor, items: Sequence[Item], top_k: int = 5, batch_s
         if batch:
             flush()
     return out, skipped
+
+
+def csv_name(name: str) -> str:
+    """An image name as a CSV cell in UTF-8: the name itself, or, for a file name whose bytes
+    are not UTF-8 (held by Python as ``os.fsdecode``'s surrogate escapes), those bytes as
+    ``\\xNN`` (so ``b"caf\\xe9.png"`` is written ``caf\\xe9.png``)."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def _csv(rows: List[Dict[str, Any]], k: int) -> str:
@@ -281,7 +296,7 @@ def _csv(rows: List[Dict[str, Any]], k: int) -> str:
     writer = csv.writer(buf, lineterminator="\n")
     writer.writerow(header)
     for r in rows:
-        cells = [r["image"]] + ([r.get("label", "")] if labelled else [])
+        cells = [csv_name(r["image"])] + ([r.get("label", "")] if labelled else [])
         for t in r["top"]:
             cells += [t["class"], "" if t["name"] is None else t["name"], f"{t['prob']:.6g}"]
         writer.writerow(cells)
@@ -356,8 +371,14 @@ def _run(args: argparse.Namespace) -> int:
     if not rows:
         raise PredictError(f"none of the {len(items)} images could be decoded; nothing written")
     k = len(rows[0]["top"])
+    escaped = [r["image"] for r in rows if csv_name(r["image"]) != r["image"]]
+    if fmt == ".csv" and escaped:
+        print(f"note: {len(escaped)} image name(s) are not valid UTF-8, e.g. {escaped[0]!r}; the CSV "
+              f"writes their other bytes as \\xNN (JSON output keeps them as \\udcNN escapes)",
+              file=sys.stderr)
     if fmt == ".csv":
-        write_text(args.out, _csv(rows, k))
+        text = _csv(rows, k)
+        atomic_write(args.out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
     else:
         write_json(args.out, {"checkpoint": predictor.source, "classes": predictor.classes_from,
                               "top_k": k, "skipped": skipped, "predictions": rows})

@@ -1,6 +1,7 @@
 """What a run reports: the ``eval.json`` objects (`dcvit.schema.EvalResult`) of the model and
 of its EMA weights, per epoch in ``eval_epochs`` and at the end."""
 import os
+import sys
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -14,7 +15,7 @@ from .distributed import DistInfo
 from .engine import evaluate
 from .finetune import arch_entry
 
-__all__ = ["eval_result", "evaluate_both", "write_epoch_results", "write_results"]
+__all__ = ["eval_result", "evaluate_both", "report_skipped", "write_epoch_results", "write_results"]
 
 
 def eval_result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bool,
@@ -25,16 +26,27 @@ def eval_result(cfg: Config, metrics: Dict[str, float], checkpoint: str, ema: bo
                       num_samples=metrics["num_samples"], loss=metrics["loss"],
                       model_kwargs=dict(cfg.model_kwargs), img_size=cfg.data.img_size,
                       num_classes=cfg.data.num_classes, checkpoint=checkpoint, ema=ema,
-                      val=cfg.data.val, convert=arch_entry(cfg), epoch=epoch).to_dict()
+                      val=cfg.data.val, convert=arch_entry(cfg), epoch=epoch,
+                      corrupt_skipped=metrics.get("corrupt_skipped", 0)).to_dict()
 
 
 def evaluate_both(cfg: Config, model: torch.nn.Module, ema: Any, val: DataPipe,
                    device: torch.device) -> Tuple[Dict[str, float], Optional[Dict[str, float]]]:
     """Metrics of the model and, when EMA is on, of its EMA weights."""
     metrics = evaluate(model, val, cfg.data.num_classes, device, cfg.amp)
+    report_skipped(cfg, metrics)
     if ema is None:
         return metrics, None
     return metrics, evaluate(ema.module, val, cfg.data.num_classes, device, cfg.amp)
+
+
+def report_skipped(cfg: Config, metrics: Dict[str, float]) -> None:
+    """The log line for corrupt validation samples (left out of the metrics, counted in
+    eval.json's ``corrupt_skipped``), on rank 0."""
+    if metrics.get("corrupt_skipped") and int(os.environ.get("RANK", "0")) == 0:
+        print(f"[train_imagenet] evaluation: skipped {metrics['corrupt_skipped']} corrupt samples "
+              f"of data.val={cfg.data.val!r}: the metrics cover the other {metrics['num_samples']} "
+              f"(data.on_corrupt=fail refuses them instead)", file=sys.stderr, flush=True)
 
 
 def write_epoch_results(cfg: Config, info: DistInfo, epochs_done: int, metrics: Dict[str, float],

@@ -17,31 +17,51 @@ checkpoint's position is refused.
 import os
 import zipfile
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import CheckpointError, check_arch, load_checkpoint, load_error, load_model_weights
+from .checkpoint import (CheckpointError, check_arch, load_checkpoint, load_error, load_latest,
+                         load_model_weights, seed_all)
 from .config import Config, config_to_dict
 from .data import is_remote, resolve_source
-from .distributed import DistInfo, log_main
+from .distributed import DistInfo, broadcast_object, log_main, waiting_for
 from .engine import EpochTotals
 from .finetune import arch_entry
+from .logs import RunLog
 from .recipe import Recipe
 
-__all__ = ["Start", "arch_of", "position_of", "load_start_weights", "start_training"]
+__all__ = ["Start", "arch_of", "position_of", "load_start_weights", "start_training",
+           "checkpoint_to_start"]
 
 
 @dataclass
 class Start:
-    """The position training continues from (all zero for a fresh run)."""
-    epoch: int = 0
-    batch: int = 0                               # the next batch of `epoch` to run
+    """Where training continues: after `update` optimizer updates (0 for a fresh run); the
+    epoch and its next batch are derived from it (`position_at`). `unlogged` is the record of
+    the epoch just before, when its checkpoint holds it but log.jsonl does not (the run
+    stopped between the two)."""
     update: int = 0
+    updates_per_epoch: int = 1
+    accum_steps: int = 1
     rng_state: Optional[Dict[str, Any]] = None   # this rank's RNG states at that point
     resumed_from: str = ""
     state: Optional[Dict[str, Any]] = None       # the checkpoint's content
     totals: Optional[EpochTotals] = None         # the epoch's running sums up to `batch`
+    unlogged: Optional[Dict[str, Any]] = None
+
+    def position_at(self, update: int) -> Tuple[int, int, int]:
+        """(epoch, update, the epoch's next batch) after `update` updates."""
+        epoch = update // self.updates_per_epoch
+        return epoch, update, (update - epoch * self.updates_per_epoch) * self.accum_steps
+
+    @property
+    def epoch(self) -> int:
+        return self.position_at(self.update)[0]
+
+    @property
+    def batch(self) -> int:
+        return self.position_at(self.update)[2]
 
 
 def arch_of(cfg: Config) -> Dict[str, Any]:
@@ -156,11 +176,45 @@ def _is_fit_error(e: Exception) -> bool:
         e, (pickle.UnpicklingError, SafetensorError)) and "PytorchStreamReader" not in str(e)
 
 
+def checkpoint_to_start(cfg: Config, info: DistInfo) -> Tuple[str, Optional[Dict[str, Any]]]:
+    """The checkpoint this run starts from ('' for none) and its content when rank 0 has read
+    it: `checkpoint=` for ``--eval-only`` (else the newest in output_dir), the newest that
+    verifies for ``resume=auto`` (picked on rank 0, damaged newer ones set aside with a
+    warning, and broadcast, so every rank loads the same file even if their views of the disk
+    differ), or ``resume=PATH``."""
+    if cfg.eval_only and cfg.checkpoint:
+        return cfg.checkpoint, None
+    if cfg.eval_only or cfg.resume == "auto":
+        waiting_for("rank 0's choice of the checkpoint to resume from")
+        path, state = load_latest(cfg.output_dir) if info.is_main else (None, None)
+        return broadcast_object(path) or "", state
+    return cfg.resume, None
+
+
 def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: DistInfo,
                    path: str, state: Optional[Dict[str, Any]], position: Dict[str, Any],
                    updates_per_epoch: int) -> Start:
     """Loads `path` (resume; `state` is its content when rank 0 already read it) into the
-    model and the recipe, or `checkpoint=` weights into the model; returns the position.
+    model and the recipe, or `checkpoint=` weights into the model; seeds the RNGs of a run
+    that does not continue its streams, places the schedule at the start's update and finds
+    an epoch saved but not logged. Returns where training starts."""
+    start = _load_start(cfg, model, recipe, info, path, state, position, updates_per_epoch)
+    if start.rng_state is None:
+        seed_all(cfg.seed * 1000 + info.rank + 1 + start.epoch)
+    recipe.scheduler.step_update(start.update)
+    pending = start.state.get("record") if start.state and start.batch == 0 else None
+    if pending is not None and pending.get("epoch") == start.epoch - 1:
+        waiting_for("rank 0's reading of log.jsonl")   # the epoch was saved; was it logged?
+        logged = RunLog(cfg.output_dir, False).has_epoch(pending["epoch"]) if info.is_main else None
+        if not broadcast_object(logged):
+            start.unlogged = pending
+    return start
+
+
+def _load_start(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: DistInfo,
+                path: str, state: Optional[Dict[str, Any]], position: Dict[str, Any],
+                updates_per_epoch: int) -> Start:
+    """Loads `path` or the `checkpoint=` weights (see `start_training`).
 
     A checkpoint saved with another `position` (`position_of`) is refused, or with
     ``resume_at_epoch_boundary`` continued from its next epoch boundary: the update count is
@@ -175,6 +229,12 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
                                   f"checkpoint={path} instead")
         check_arch(state, arch_of(cfg), path)
         changes = _position_changes(state["position"], position) if "position" in state else []
+        derived = Start(state["update"], updates_per_epoch, cfg.accum_steps)
+        if not changes and (derived.epoch, derived.batch) != (state["epoch"], state["batch"]):
+            changes.append(f"its update {state['update']} is epoch {derived.epoch}, batch "
+                           f"{derived.batch} at {updates_per_epoch} updates per epoch, not epoch "
+                           f"{state['epoch']}, batch {state['batch']} (an epoch of that run "
+                           f"ended early)")
         if changes and not cfg.resume_at_epoch_boundary:
             raise CheckpointError(
                 f"resume={path!r} is a checkpoint of another run: its position (epoch "
@@ -204,7 +264,8 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
         if state.get("scaler") and recipe.scaler is not None:
             recipe.scaler.load_state_dict(state["scaler"])
         if changes:   # resume_at_epoch_boundary: this run's schedule, from the next boundary
-            start = Start(epoch, 0, epoch * updates_per_epoch, None, path, state)
+            start = Start(epoch * updates_per_epoch, updates_per_epoch, cfg.accum_steps,
+                          resumed_from=path, state=state)
             log_main(info, f"resume_at_epoch_boundary=true: {path} was saved with other "
                            f"settings ({'; '.join(changes)}); continuing from the start of "
                            f"epoch {epoch} (update {start.update} of this run's schedule) with "
@@ -223,7 +284,7 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
                            f"(it was {saved_lr:.3g} at the save)")
         rngs = state.get("rng") or []
         totals = state.get("totals")
-        start = Start(state["epoch"], state["batch"], state["update"],
+        start = Start(state["update"], updates_per_epoch, cfg.accum_steps,
                       rngs[info.rank] if len(rngs) == info.world_size else None, path, state,
                       EpochTotals.from_saved(totals, info.rank) if totals else None)
         if len(rngs) != info.world_size:
@@ -237,4 +298,4 @@ def start_training(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: Di
         return start
     if cfg.checkpoint:  # start from weights: a checkpoint's model, a .safetensors, a ViT .pth
         load_start_weights(model, cfg.checkpoint, cfg)
-    return Start()
+    return Start(0, updates_per_epoch, cfg.accum_steps)

@@ -19,8 +19,11 @@ is, for every query t, the product ``(keys × heads) @ Mq[t]`` and its key-side 
 every key s, ``(queries × heads) @ Mk[s]``, so each stage is two batched `tl.dot` over the
 head axis, and each matrix gradient (``dMq[t] = Σ_s a[t,s,:]ᵀ d[t,s,:]``) is one more. Going
 between the layouts is a `tl.permute` (one pass through shared memory); nothing extracts
-heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest that a float32
-`tl.dot` takes; padded heads, queries, keys and head-dim lanes are masked.
+heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest contraction that a
+float32 `tl.dot` takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
+lanes are masked. Where the running Triton's `tl.dot` wants more (3.4-3.7: a contraction of
+16; 3.4: 16 rows and columns too, `triton_core.dot_min`) `_mm` doubles the small side with
+zeros between its values, inside the product, and drops the padding from the result.
 
 Registers. A program's tiles of all heads must fit 255 registers per thread at 8 warps
 without spilling (tests/test_kernel_resources.py). Three things make 16 padded heads fit:
@@ -28,7 +31,9 @@ a block of 8 rows is always a product's 8 columns, never its rows (a tensor-core
 pads rows to 16): accumulators are kept transposed (dkᵀ, dvᵀ, dqᵀ, Oᵀ: (heads, D, rows);
 dMᵀ: (rows, heads, group)) and the scores come out as ``(a @ b)ᵀ`` with the 8 rows in b;
 the operand of q·kᵀ and dO·vᵀ that a loop loads is loaded and multiplied in two halves of
-the head dim (`_dot_by_halves`), so half of it is live at a time; and the key kernel
+the head dim (`_dot_by_halves`), so half of it is live at a time, and so is the operand of
+each backward product into an accumulator over the head dim (dqᵀ, dkᵀ, dvᵀ, each held as
+its two halves: `_acc_by_halves`; the forward's Oᵀ spills less whole); and the key kernel
 splits its heads between two programs (``G = 2``): each recomputes the scores and the
 full-width Compose steps, post-composes and back-composes only its heads' output columns,
 and takes its heads' columns of the other tiles with `tl.gather` (`_group`).
@@ -76,6 +81,50 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _pad2(x):
+    """x (X, Y, n) as (X, Y, 2n): its values at even positions, zeros between."""
+    return tl.reshape(tl.join(x, tl.zeros_like(x)), (x.shape[0], x.shape[1], 2 * x.shape[2]))
+
+
+@triton.jit
+def _unpad2(x):
+    """The even positions of x's last axis: `_pad2` undone."""
+    even, odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], x.shape[2] // 2, 2)))
+    return even
+
+
+@triton.jit
+def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
+    """``acc + a @ b`` for float32 (X, M, K) and (X, K, N) tiles, one batched `tl.dot`. A side
+    smaller than the running Triton's `tl.dot` takes (M or N below DOT_MN, K below DOT_K,
+    `triton_core.dot_min`; at most by half: 8 padded heads where it wants 16) is doubled
+    with zeros between its values and the product's padding dropped: Compose's head mixing
+    at 8 padded heads under Triton 3.4-3.7 (K), and under 3.4 the 8 heads of a product's
+    columns or rows (N, M)."""
+    M: tl.constexpr = a.shape[1]
+    N: tl.constexpr = b.shape[2]
+    K: tl.constexpr = a.shape[2]
+    if (M >= DOT_MN and N >= DOT_MN) and K >= DOT_K:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    else:
+        if K < DOT_K:                                       # contraction: zeros in a, b's rows doubled
+            a = _pad2(a)
+            bt = tl.permute(b, (0, 2, 1))
+            b = tl.permute(tl.reshape(tl.join(bt, bt), (bt.shape[0], N, 2 * K)), (0, 2, 1))
+        if M < DOT_MN:                                      # rows: a's doubled, zeros between
+            a = tl.permute(_pad2(tl.permute(a, (0, 2, 1))), (0, 2, 1))
+        if N < DOT_MN:                                      # columns: b's doubled, zeros between
+            b = _pad2(b)
+        out = tl.dot(a, b, input_precision=PRECISION)
+        if N < DOT_MN:                                      # the product's padding dropped
+            out = _unpad2(out)
+        if M < DOT_MN:
+            out = tl.permute(_unpad2(tl.permute(out, (0, 2, 1))), (0, 2, 1))
+        out += acc
+    return out
+
+
+@triton.jit
 def _t(x):
     """(heads, cols, rows) -> (rows, cols, heads), and back."""
     return tl.permute(x, (2, 1, 0))
@@ -83,7 +132,7 @@ def _t(x):
 
 @triton.jit
 def _mix(a, M, rows, n_stride, g_stride, h_stride, rows_ok, h0, HO: tl.constexpr, H: tl.constexpr,
-         HP: tl.constexpr, MIX: tl.constexpr):
+         HP: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """``out[x, y, h] = Σ_g a[x, y, g] · M[rows[x], g, h0 + h]``: a (X, Y, HP) float32 tile
     times the H×H matrices of the tokens on its axis 0 (rows: their indices, (X, 1, 1)), one
     batched product, for the HO output heads from h0: an (X, Y, HO) tile. Swapping g_stride
@@ -92,22 +141,22 @@ def _mix(a, M, rows, n_stride, g_stride, h_stride, rows_ok, h0, HO: tl.constexpr
     h = h0 + tl.arange(0, HO)[None, None, :]
     m = tl.load(M + rows * n_stride + g * g_stride + h * h_stride,
                 mask=rows_ok & (g < H) & (h < H), other=0.0)
-    return tl.dot(a, m, input_precision=MIX)
+    return _mm(a, m, tl.zeros((a.shape[0], a.shape[1], HO), tl.float32), MIX, DOT_MN, DOT_K)
 
 
 @triton.jit
 def _compose(a, M0, r0, n0, g0, h0, ok0, HAS0: tl.constexpr, M1, r1, n1, g1, h1, ok1,
              HAS1: tl.constexpr, o0, HO: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
-             MIX: tl.constexpr):
+             MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """``out[x, y, h] = Σ_g a[x, y, g] · (M0[r0[x], g, o0 + h] + M1[r1[y], g, o0 + h])`` for
     an (X, Y, HP) tile and the HO output heads from o0: M0 indexed by the tokens of axis 0,
     M1 by those of axis 1 (r0: (X, 1, 1), r1: (Y, 1, 1); either may be absent)."""
     out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
-        out += _mix(a, M0, r0, n0, g0, h0, ok0, o0, HO, H, HP, MIX)
+        out += _mix(a, M0, r0, n0, g0, h0, ok0, o0, HO, H, HP, MIX, DOT_MN, DOT_K)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
-        out += tl.permute(_mix(at, M1, r1, n1, g1, h1, ok1, o0, HO, H, HP, MIX), (1, 0, 2))
+        out += tl.permute(_mix(at, M1, r1, n1, g1, h1, ok1, o0, HO, H, HP, MIX, DOT_MN, DOT_K), (1, 0, 2))
     return out
 
 
@@ -121,11 +170,11 @@ def _group(a, h0, HO: tl.constexpr):
 
 
 @triton.jit
-def _matrix_grad(acc, a, d, MIX: tl.constexpr):
+def _matrix_grad(acc, a, d, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """``acc[x, g, h] += Σ_y a[x, y, g] · d[x, y, h]``: a Compose matrix's gradient for the
     tokens on axis 0 (a: the stage's input, d: the gradient of its output; given the other way
     round, the transposed gradient, as the dM1ᵀ accumulators take it)."""
-    return tl.dot(tl.permute(a, (0, 2, 1)), d, acc, input_precision=MIX)
+    return _mm(tl.permute(a, (0, 2, 1)), d, acc, MIX, DOT_MN, DOT_K)
 
 
 @triton.jit
@@ -170,10 +219,40 @@ def _dot_by_halves(P, off, sd, ok, b0, b1, D: tl.constexpr, DP: tl.constexpr, PR
 
 
 @triton.jit
+def _acc_by_halves(acc0, acc1, P, off, sd, ok, b, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc += a @ b`` for a (heads, D, cols) accumulator held as its two halves along the
+    head dim when DP ≥ 32 (acc0, acc1: (heads, DP/2, cols) each), ``a = P[off + d·sd]``
+    loaded here half at a time, so half of a is live at a time. Else acc0 is all of it
+    (acc1 unused)."""
+    if DP >= 32:
+        d0 = tl.arange(0, DP // 2)[None, :, None]
+        d1 = DP // 2 + d0
+        acc0 += _dot(tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0), b, PRECISION)
+        acc1 += _dot(tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0), b, PRECISION)
+    else:
+        d = tl.arange(0, DP)[None, :, None]
+        acc0 += _dot(tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0), b, PRECISION)
+    return acc0, acc1
+
+
+@triton.jit
+def _store_t_halves(P, off, sd, ok, acc0, acc1, D: tl.constexpr, DP: tl.constexpr):
+    """`_acc_by_halves`' accumulator stored to ``P[off + d·sd]`` (in P's dtype)."""
+    if DP >= 32:
+        d0 = tl.arange(0, DP // 2)[None, :, None]
+        d1 = DP // 2 + d0
+        tl.store(P + off + d0 * sd, acc0.to(P.dtype.element_ty), mask=ok & (d0 < D))
+        tl.store(P + off + d1 * sd, acc1.to(P.dtype.element_ty), mask=ok & (d1 < D))
+    else:
+        d = tl.arange(0, DP)[None, :, None]
+        tl.store(P + off + d * sd, acc0.to(P.dtype.element_ty), mask=ok & (d < D))
+
+
+@triton.jit
 def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
             MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
             H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PRE: tl.constexpr,
-            HAS_MK1: tl.constexpr, MIX: tl.constexpr):
+            HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """The logits after pre-compose and the mask, -inf at padded keys, from the scaled
     scores s0 laid out (rows, cols, heads). t, s: query and key indices, (X, 1, 1) for
     axis 0 and (Y, 1, 1) for axis 1 of the tile: axis 0 holds the queries when Q_SIDE,
@@ -184,12 +263,12 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
         tq, sk = t, tl.permute(s, (1, 0, 2))                         # (X, 1, 1), (1, Y, 1)
         if HAS_PRE:
             x = _compose(s0, MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True,
-                         MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1, 0, HP, H, HP, MIX)
+                         MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
     else:
         tq, sk = tl.permute(t, (1, 0, 2)), s
         if HAS_PRE:
             x = _compose(s0, MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1,
-                         MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True, 0, HP, H, HP, MIX)
+                         MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
     if HAS_MASK:
         x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
                      mask=(h < H) & (tq < T) & (sk < S), other=0.0).to(tl.float32)
@@ -206,7 +285,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                    BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                    HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
-                   HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr):
+                   HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """One block of BT queries and one group of HP/G heads (program_id 2): their rows of
     O (B, T, H, D) and LSE (B, H, T). The scores of all heads are computed (Compose mixes
     them); only the group's output columns are post-composed and accumulated."""
@@ -232,7 +311,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)    # (BT, BS, HP)
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new[:, None, :]), axis=1)
         m_i = m_new
@@ -249,11 +328,11 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = tl.exp(x - lse[:, None, :])
         if HAS_POST:
             p = _compose(p, MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True,
-                         MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2, h0, HG, H, HP, MIX)
+                         MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             p = _group(p, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -274,7 +353,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                           BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                           HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                           HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
-                          PRECISION: tl.constexpr, MIX: tl.constexpr):
+                          PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """One block of BT queries and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
     and dq (B, H, T, D) of those heads, and the per-query matrix gradients dMq1[t, h, :],
     dMq2[t, :, h] (B, T, H, H)."""
@@ -286,7 +365,6 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
     t_idx = tl.program_id(0) * BT + tl.arange(0, BT)
     hh = tl.arange(0, HP)[:, None, None]
     hm = hh < H
-    dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, queries) tiles
     tc = t_idx[None, None, :]
     qt0, qt1 = _load_t_halves(Q + b * sqb, hh * sqh + tc * sqt, sqd, hm & (tc < T), D, DP)
     dot0, dot1 = _load_t_halves(DO + b * sgb, hh * sgh + tc * sgt, sgd, hm & (tc < T), D, DP)
@@ -305,21 +383,25 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                                PRECISION)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = tl.exp(x - lse[:, None, :])
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
                                PRECISION))                                   # dL/dp2 (BT, BS, HP)
         if HAS_POST:
             if WANT_DMQ2:
-                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX)
+                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
             dp = _compose(dp, MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True,
-                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX)
+                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
         delta += tl.sum(p * dp, axis=1)
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
+    if WANT_DMQ2:                                                           # stored now: not live in pass 2
+        _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H)
 
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
-    dqt = tl.zeros((HG, DP, BT), tl.float32)                                # dqᵀ, dMq1ᵀ: 8 queries, heads
+    DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dqᵀ by halves of D
+    dqt0 = tl.zeros((HG, DH, BT), tl.float32)                               # dqᵀ, dMq1ᵀ: 8 queries, heads
+    dqt1 = tl.zeros((HG, DH, BT), tl.float32)
     dm1t = tl.zeros((BT, HP, HG), tl.float32)                               # as a product's columns
     for start in range(0, S, BS):                                           # pass 2: dq, dMq1
         sr = start + tl.arange(0, BS)[None, :, None]
@@ -328,29 +410,26 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                                PRECISION)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
                                PRECISION))
         if HAS_POST:
             dp = _compose(dp, MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True,
-                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX)
+                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
         ds = tl.exp(x - lse[:, None, :]) * (dp - delta[:, None, :])        # dL/ds1
         if HAS_PRE:
             if WANT_DMQ1:
-                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX)
+                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
             ds = _compose(ds, MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True,
-                          MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1, h0, HG, H, HP, MIX)
+                          MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             ds = _group(ds, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
-        kgt = tl.load(K + b * skb + hg * skh + sc * sks + dc * skd, mask=gm & (sc < S) & (dc < D), other=0.0)
-        dqt += _dot(kgt, _t(ds).to(K.dtype.element_ty), PRECISION)
-    tl.store(DQ + b * sdb + hg * sdh + tc * sdt + dc * sdd, (dqt * scale).to(DQ.dtype.element_ty),
-             mask=gm & (tc < T) & (dc < D))
+        dqt0, dqt1 = _acc_by_halves(dqt0, dqt1, K + b * skb, hg * skh + sc * sks, skd, gm & (sc < S),
+                                    _t(ds).to(K.dtype.element_ty), D, DP, PRECISION)
+    _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:
         _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)), b, t_idx, T, h0, 0, H)
-    if WANT_DMQ2:
-        _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H)
 
 
 @triton.jit
@@ -364,7 +443,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                         BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                         HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                         HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr,
-                        PRECISION: tl.constexpr, MIX: tl.constexpr):
+                        PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """One block of BS keys and one group of HP/G heads h (program_id 2), over every query
     block: dk, dv (B, H, S, D) (the same strides) of those heads and the key-side matrix
     gradients dMk1[s, h, :], dMk2[s, :, h] (B, S, H, H). Compose tiles are (keys, queries,
@@ -381,12 +460,14 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     h3 = tl.arange(0, HP)[None, None, :]
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
-    dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, keys) tiles
     sc = s_idx[None, None, :]
     kt0, kt1 = _load_t_halves(K + b * skb, hh * skh + sc * sks, skd, hm & (sc < S), D, DP)
     vt0, vt1 = _load_t_halves(V + b * svb, hh * svh + sc * svs, svd, hm & (sc < S), D, DP)
-    dkt = tl.zeros((HG, DP, BS), tl.float32)                                # dkᵀ, dvᵀ: 8 keys fill
-    dvt = tl.zeros((HG, DP, BS), tl.float32)                                # a tensor-core product's columns
+    DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dkᵀ, dvᵀ by halves of D:
+    dkt0 = tl.zeros((HG, DH, BS), tl.float32)                               # 8 keys fill a tensor-core
+    dkt1 = tl.zeros((HG, DH, BS), tl.float32)                               # product's columns
+    dvt0 = tl.zeros((HG, DH, BS), tl.float32)
+    dvt1 = tl.zeros((HG, DH, BS), tl.float32)
     dm1t = tl.zeros((BS, HP, HG), tl.float32)                               # dMk1ᵀ: 8 heads as columns
     dm2 = tl.zeros((BS, HP, HG), tl.float32)
     for start in range(0, T, BT):
@@ -396,39 +477,38 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                                PRECISION)) * scale
         x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX)   # (BS, BT, HP)
+                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
         stat = (b * H + h3) * T + tr
         p = tl.where(tr < T, tl.exp(x - tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0)), 0.0)
+        tc = start + tl.arange(0, BT)[None, None, :]
+        if HAS_POST:                                                        # dv first: p2 dies here
+            p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
+                          MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+        else:
+            p2 = _group(p, h0, HG)
+        dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO + b * sgb, hg * sgh + tc * sgt, sgd, gm & (tc < T),
+                                    _t(p2).to(DO.dtype.element_ty), D, DP, PRECISION)
         dp = _t(_dot_by_halves(DO + b * sgb, hh * sgh + tr * sgt, sgd, hm & (tr < T), vt0, vt1, D, DP,
                                PRECISION))                                   # dL/dp2 (BS, BT, HP)
         if HAS_POST:
             if WANT_DMK2:
-                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX)
+                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
             dp = _compose(dp, MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True, 0, HP, H, HP, MIX)
+                          MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
         ds = p * (dp - tl.load(DELTA + stat, mask=(h3 < H) & (tr < T), other=0.0))
         if HAS_PRE:
             if WANT_DMK1:
-                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX)
-        tc = start + tl.arange(0, BT)[None, None, :]
-        tc_ok = gm & (dc < D) & (tc < T)
-        if HAS_POST:
-            p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, h0, HG, H, HP, MIX)
-        else:
-            p2 = _group(p, h0, HG)
-        dogt = tl.load(DO + b * sgb + hg * sgh + tc * sgt + dc * sgd, mask=tc_ok, other=0.0)
-        dvt += _dot(dogt, _t(p2).to(DO.dtype.element_ty), PRECISION)
+                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
         if HAS_PRE:
             ds = _compose(ds, MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1,
-                          MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True, h0, HG, H, HP, MIX)
+                          MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             ds = _group(ds, h0, HG)
-        qgt = tl.load(Q + b * sqb + hg * sqh + tc * sqt + dc * sqd, mask=tc_ok, other=0.0)
-        dkt += _dot(qgt, _t(ds).to(Q.dtype.element_ty), PRECISION)
-    out = b * sdb + hg * sdh + sc * sds + dc * sdd
-    tl.store(DK + out, (dkt * scale).to(DK.dtype.element_ty), mask=gm & (sc < S) & (dc < D))
-    tl.store(DV + out, dvt.to(DV.dtype.element_ty), mask=gm & (sc < S) & (dc < D))
+        dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q + b * sqb, hg * sqh + tc * sqt, sqd, gm & (tc < T),
+                                    _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION)
+    out = b * sdb + hg * sdh + sc * sds
+    _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
+    _store_t_halves(DV, out, sdd, gm & (sc < S), dvt0, dvt1, D, DP)
     if WANT_DMK1:
         _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)), b, s_idx, S, h0, 0, H)
     if WANT_DMK2:

@@ -29,21 +29,57 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["available", "interpreted", "works_on", "attention_forward", "attention_backward",
-           "block_sizes", "MAX_HEADS"]
+__all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on",
+           "attention_forward", "attention_backward", "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
 
+_TRITON_VERSION: Optional[str] = None
 try:
     import triton
+    _TRITON_VERSION = getattr(triton, "__version__", "of unknown version")
     triton.knobs  # noqa: B018  (the kernels' Triton API; older Triton, e.g. torch 2.4's 3.0, lacks it)
-except Exception:  # noqa: BLE001  (triton missing, broken or too old: `available()` says so)
+    from triton.backends.nvidia.compiler import min_dot_size as _min_dot_size
+except Exception:  # noqa: BLE001  (triton missing, broken or too old: `unsupported_reason()` says so)
     triton = None
 
 
 def available() -> bool:
-    """Whether Triton imports (the kernels compile on first use)."""
+    """Whether a Triton the kernels can use imports (they compile on first use)."""
     return triton is not None
+
+
+def unsupported_reason() -> Optional[str]:
+    """Why the running Triton cannot serve the kernels (a sentence naming its version), or
+    None when it can: the automatic core choice declines the Triton core with this reason
+    before any launch. The kernels need the API of Triton 3.4 and newer (``triton.knobs``
+    and the NVIDIA backend's ``min_dot_size``); within it they adapt to what the release's
+    ``tl.dot`` takes (`dot_min`)."""
+    if triton is not None:
+        return None
+    if _TRITON_VERSION is None:
+        return "the triton package is missing (pip install triton)"
+    return (f"Triton {_TRITON_VERSION} lacks the API the kernels use (triton.knobs, the NVIDIA "
+            "backend's min_dot_size); they need Triton 3.4 or newer")
+
+
+_dot_mins: Dict[Tuple[int, int], Tuple[int, int, int]] = {}
+
+
+def dot_min(bits: int, arch: int = 90) -> Tuple[int, int, int]:
+    """The smallest (M, N, K) of a `tl.dot` on ``bits``-bit operands (16: bf16/fp16, 32:
+    float32 or TF32) that the running Triton compiles for sm_<arch>, as its NVIDIA backend
+    states it: Triton 3.4 takes 16 x 16 x 16 at least, 3.5-3.7 any M and N but K >= 16, 3.8
+    and newer K >= 8 for 32-bit operands. The kernels pad a float32 product that is smaller
+    with zeros (`triton_attention._mm`) and launch only block sizes whose q/k/v products fit
+    (`block_sizes`). Under the interpreter: what a GPU's compilation would take."""
+    key = (bits, arch)
+    if key not in _dot_mins:
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        ty = {16: tl.bfloat16, 32: tl.float32}[bits]
+        _dot_mins[key] = tuple(int(x) for x in _min_dot_size(GPUTarget("cuda", arch, 32))(ty, ty))
+    return _dot_mins[key]
 
 
 # Read once, when this module loads: Triton's knob reads the environment through a C
@@ -131,30 +167,43 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def block_sizes(H: int, kernel: str = "forward_kernel") -> List[Dict[str, int]]:
+def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[Dict[str, int]]:
     """Candidate blocks (BT queries, BS keys), head groups G, warps and pipeline stages of
-    ``kernel`` for H heads. The first is the one the interpreter runs; on a GPU Triton's
-    autotuner times the candidates once per (heads, head dim, sequence lengths) and keeps the
-    fastest (each one more compilation). Each candidate compiles without a register spill for
-    sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads
-    (``scripts/kernel_report.py``, tests/test_kernel_resources.py; float32 operands spill some
-    at 12-16 heads, docs/performance.md): one
-    pipeline stage (a second would double the tiles in shared memory), 8 warps, 8 keys per
-    key-kernel program; with 16 padded heads 8 queries per query-kernel program, 16 or 8 per
-    forward program, and the key kernel's heads split between G = 2 programs per key block
-    (each recomputes the scores and Compose of all heads for the accumulators of half)."""
-    if _padded_heads(H) <= 8:
-        return [dict(BT=16, BS=8 if kernel == "backward_key_kernel" else 16, G=1, num_warps=8,
-                     num_stages=1)]
+    ``kernel`` for H heads on sm_<arch>. The first is the one the interpreter runs; on a GPU
+    Triton's autotuner times the candidates once per (heads, head dim, sequence lengths) and
+    keeps the fastest (each one more compilation). Each candidate compiles without a register
+    spill for sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads, under
+    every Triton from 3.5 to 3.9 (``scripts/kernel_report.py``, tests/test_kernel_resources.py,
+    tests/test_triton_releases.py; float32 operands spill some at 12-16 heads, and under 3.4
+    the 16-row blocks below do, docs/performance.md): one pipeline stage (a
+    second would double the tiles in shared memory), 8 warps, 8 keys per key-kernel program;
+    with 16 padded heads 8 queries per query-kernel program, 16 or 8 per forward program, and
+    the key kernel's heads split between G = 2 programs per key block (each recomputes the
+    scores and Compose of all heads for the accumulators of half). A Triton whose `tl.dot`
+    takes no 8-row side (3.4, `dot_min`) gets blocks of 16 instead, and at 16 padded heads
+    both backward kernels split their heads between two programs."""
+    wide = _padded_heads(H) > 8
     if kernel == "forward_kernel":
-        return [dict(BT=16, BS=16, G=1, num_warps=8, num_stages=1),
-                dict(BT=8, BS=16, G=1, num_warps=8, num_stages=1)]
-    if kernel == "backward_query_kernel":
-        return [dict(BT=8, BS=16, G=1, num_warps=8, num_stages=1)]
-    return [dict(BT=16, BS=8, G=2, num_warps=8, num_stages=1)]
+        blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide else [])
+    elif kernel == "backward_query_kernel":
+        blocks = [(8, 16, 1) if wide else (16, 16, 1)]
+    else:
+        blocks = [(16, 8, 2 if wide else 1)]
+    rows = max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) if available() else 1
+    if min(min(bt, bs) for bt, bs, _ in blocks) < rows:
+        blocks = [b for b in blocks if min(b[:2]) >= rows] or [(16, 16, 2 if wide else 1)]
+    return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1) for bt, bs, g in blocks]
 
 
-_tuned: Dict[Tuple[str, int], object] = {}
+_tuned: Dict[Tuple[str, int, int], object] = {}
+
+
+def _arch(device: torch.device) -> int:
+    """The compute capability the kernels compile for (sm_90's rules in the interpreter)."""
+    if device.type != "cuda":
+        return 90
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: int,
@@ -163,14 +212,15 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
     GPU; with the first `block_sizes` candidate in the interpreter or when the environment
     sets ``DCVIT_TRITON_AUTOTUNE=0`` (tests: one compilation per kernel variant)."""
     kernel = getattr(_kernels(device), name)
+    arch = _arch(device)
     if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
-        c = block_sizes(H, name)[0]
+        c = block_sizes(H, name, arch)[0]
         kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"], **kwargs)
         return
-    key = (name, H)
+    key = (name, H, arch)
     if key not in _tuned:
         configs = [triton.Config({"BT": c["BT"], "BS": c["BS"], "G": c["G"]}, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"]) for c in block_sizes(H, name)]
+                                 num_stages=c["num_stages"]) for c in block_sizes(H, name, arch)]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
     _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **kwargs)
 
@@ -208,18 +258,22 @@ def _mask_args(mask: Optional[Tensor], dummy: Tensor) -> List:
 def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) -> Dict:
     """The kernels' compile-time arguments but the blocks and head groups: heads and head dim, padded to
     powers of two, which operands are present, and the precision of the q/k/v products
-    (PRECISION) and of Compose's head mixing (MIX)."""
+    (PRECISION) and of Compose's head mixing (MIX), and the smallest rows or columns (DOT_MN) and
+    contraction (DOT_K) of a float32 `tl.dot` (`dot_min`): the head mixing and matrix gradients
+    are padded where they are smaller."""
     mq1, mk1, mq2, mk2 = mats
     H, D = q.shape[1], q.shape[3]
+    m, n, k = dot_min(32, _arch(q.device))
     return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
                 HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype),
-                MIX="ieee" if q.dtype == torch.float32 else "tf32")
+                MIX="ieee" if q.dtype == torch.float32 else "tf32", DOT_MN=max(m, n), DOT_K=k)
 
 
 def _padded_heads(H: int) -> int:
-    """The kernels' head axis: a power of two, at least 8 (a float32 `tl.dot` over heads,
-    Compose's, needs 8)."""
+    """The kernels' head axis: a power of two, at least 8 (the smallest contraction of a
+    float32 `tl.dot`, Compose's head mixing, in Triton 3.8 and newer; older ones pad that
+    contraction to 16 inside the product, `triton_attention._mm`)."""
     return max(8, _next_pow2(H))
 
 

@@ -1,10 +1,9 @@
 """Trainer faults found by trying to break a run as a user or a cluster would: a resume into
 a run with other data or batches, a stopped rank, unreadable checkpoint files, a full disk,
 numbers out of range, and records lost across a restart. Each ends in a clear refusal
-before any work, or is handled with nothing lost (tests/fault_cases_trainer.md)."""
+before any work, or is handled with nothing lost (docs/training_fault_cases.md)."""
 import csv
 import errno
-import json
 import math
 import os
 import pickle
@@ -25,8 +24,8 @@ from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from train_imagenet.data import DataError
 from train_imagenet.distributed import timeout_message, waiting_for
-from train_imagenet.engine import StepOptions, train_one_epoch
-from train_helpers import TINY_RUN, kill_torchrun, torchrun_workers
+from train_imagenet.engine import EpochState, Loop, train_one_epoch
+from train_helpers import TINY_RUN, kill_torchrun, read_records, torchrun_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [*TINY_RUN, "sched.min_lr=1e-5", "epochs=2", "aug.mixup=0", "aug.cutmix=0"]
@@ -48,9 +47,7 @@ def _run(data, out, *extra, train=None):
                  f"output_dir={out}", *TINY, *extra])
 
 
-def _records(run_dir):
-    with open(os.path.join(run_dir, "log.jsonl")) as f:
-        return [json.loads(line) for line in f]
+_records = read_records
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +172,8 @@ def test_an_epoch_with_no_update_is_an_error(start_batch, yielded, error, messag
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = Namespace(step_update=lambda u: None)
     with pytest.raises(error, match=message):
-        train_one_epoch(model, _Pipe(3, yielded), 0, optimizer=opt, scheduler=sched,
-                        loss_fn=torch.nn.functional.cross_entropy, device=torch.device("cpu"),
-                        opts=StepOptions(), update=0, start_batch=start_batch)
+        train_one_epoch(Loop(model, opt, sched, torch.nn.functional.cross_entropy,
+                             torch.device("cpu")), _Pipe(3, yielded), EpochState(0, 0, start_batch))
 
 
 # ------------------------------------------------------------------ a rank that stops answering
@@ -199,6 +195,48 @@ def test_collective_timeout_exits_4_with_one_line(data, tmp_path, capsys, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: rank 0 waited more than dist_timeout=10 s")
     assert "gradient all-reduce of epoch 0, update 7" in err[0] and "Traceback" not in err[0]
+
+
+def _ended_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_lost_peer_message_names_the_lost_rank(monkeypatch):
+    """Rank 1's process on this host has ended: rank 0's line names it by its pid; a rank on
+    another host is named as the one on another host."""
+    import socket
+    import train_imagenet.distributed as dist_mod
+    here = socket.gethostname()
+    monkeypatch.setitem(dist_mod._group, "peers", [(here, os.getpid()), (here, _ended_pid())])
+    waiting_for("the gradient all-reduce of epoch 2, update 31")
+    error = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40123: "
+                         "Connection reset by peer")
+    line = timeout_message(error, 5) or dist_mod.lost_peer_message(error)
+    assert line.startswith("rank 0 lost rank 1 (pid ") and "in the gradient all-reduce of " \
+        "epoch 2, update 31 (process ended)" in line
+    monkeypatch.setitem(dist_mod._group, "peers", [(here, os.getpid()), ("node-gone.invalid", 4242)])
+    line = dist_mod.lost_peer_message(error)
+    assert "lost rank 1 (pid 4242 on node-gone.invalid)" in line and "on another host" in line
+    assert dist_mod.lost_peer_message(RuntimeError("size mismatch")) is None
+
+
+def test_lost_peer_exits_4_with_one_line(data, tmp_path, capsys, monkeypatch):
+    import socket
+    import train_imagenet.distributed as dist_mod
+    monkeypatch.setitem(dist_mod._group, "peers",
+                        [(socket.gethostname(), os.getpid()), (socket.gethostname(), _ended_pid())])
+
+    def lost(cfg):
+        waiting_for("the loss check of epoch 0 at update 5")
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:5000")
+    monkeypatch.setattr(entry_mod, "run", lost)
+    assert _run(data, tmp_path / "out") == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: rank 0 lost rank 1 (pid "), err
+    assert "the loss check of epoch 0 at update 5" in err[0]
+    assert err[0].endswith("No checkpoint was saved yet: run the job again")
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import torch
 
 import train_imagenet.results as results_mod
 import train_imagenet.trainer as trainer_mod
-from train_imagenet import shard_check
+from train_imagenet.data import verify as shard_check
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.config import load_config
@@ -351,3 +351,27 @@ def test_nan_stop_names_the_last_checkpoint_that_verifies(tmp_path, capsys, monk
     err = capsys.readouterr().err
     assert "loss is nan at epoch 1, update 7" in err
     assert "The last good checkpoint is " + str(out / "ckpt-e0000-u00000004.pth") in err
+
+
+# ------------------------------------------------------------------ corrupt validation images
+def test_corrupt_val_image_is_counted_in_eval_json_and_the_log(tmp_path, capsys):
+    """A val sample that does not decode is left out of the metrics, counted in eval.json's
+    corrupt_skipped and named in the log; data.on_corrupt=fail refuses it."""
+    root = tmp_path / "d"
+    x, y = digits(78)
+    write_shards(str(root), "train", x[:48], y[:48], 16)
+    write_shards(str(root), "val", x[48:], y[48:], 15, corrupt={2})       # 30 val samples
+    out = tmp_path / "out"
+    assert _run(root, out) == 0
+    with open(out / "eval.json") as f:
+        result = json.load(f)
+    assert (result["num_samples"], result["corrupt_skipped"]) == (29, 1)
+    err = capsys.readouterr().err
+    assert err.count("evaluation: skipped 1 corrupt samples") == 1, err
+    assert "the metrics cover the other 29" in err
+    assert main([f"data.val={root}", f"output_dir={out}", *TINY, "--eval-only"]) == 0
+    with open(out / "eval.json") as f:
+        assert json.load(f)["corrupt_skipped"] == 1
+    assert "evaluation: skipped 1 corrupt samples" in capsys.readouterr().err
+    assert _run(root, tmp_path / "strict", "data.on_corrupt=fail") == 2
+    assert "corrupt sample '00000002'" in capsys.readouterr().err

@@ -5,7 +5,7 @@ by the trainer at start-up (`check_shards`) and by ``scripts/make_wds_shards.py 
 A shard passes when its tar reads to its end-of-archive marker, each key occurs once (its
 members consecutive, no extension twice: webdataset groups a sample by consecutive members
 and stops on a repeated one), each sample holds exactly one image and one ``.cls`` member,
-and every ``.cls`` is an integer; label ranges are checked against the class count by the
+and every ``.cls`` is a class index in ASCII digits (``0_3`` is refused); label ranges are checked against the class count by the
 callers. The start-up check reads only tar headers and the small ``.cls`` members (no image
 is decoded), so a shard costs a few hundred small reads. Its result per shard is cached
 beside the shards in ``.dcvit-shard-check.json`` (hidden, so never taken for a split's
@@ -13,10 +13,10 @@ beside the shards in ``.dcvit-shard-check.json`` (hidden, so never taken for a s
 modification time, so a restarted run checks only what changed; where the shard folder is
 read-only the cache goes to the run directory instead (``shard-check.json``).
 """
-import io
 import json
 import logging
 import os
+import re
 import tarfile
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +32,8 @@ __all__ = ["ShardCheck", "check_shards", "scan_shard", "CACHE_NAME"]
 
 CACHE_NAME = ".dcvit-shard-check.json"
 FALLBACK_NAME = "shard-check.json"
-_VERSION = 2                         # 2: repeated keys and incomplete samples are problems
+_VERSION = 3                         # 3: a label is ASCII digits only
+_DIGITS = re.compile(rb"\s*-?\d+\s*")    # a minus is refused by the range check
 _logger = logging.getLogger(__name__)
 
 
@@ -44,15 +45,17 @@ class ShardCheck:
     min_label: int = -1              # -1 when there is no sample
     max_label: int = -1
     problem: Optional[str] = None
+    lengths: Optional[List[int]] = None   # samples of each shard, in the order given
 
 
 def _decodes(data: bytes) -> Optional[str]:
-    from PIL import Image
+    """None if the image decodes as the loader decodes it (`train_imagenet.images.open_image`),
+    else why not."""
+    from ..images import ImageError, open_image
     try:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-    except Exception as e:  # PIL raises many types for broken files
-        return f"{type(e).__name__}: {e}"
+        open_image(data)
+    except ImageError as e:
+        return str(e)
     return None
 
 
@@ -77,10 +80,11 @@ def scan_shard(path: str, decode: bool = False) -> Dict[str, Any]:
                             f"({'/'.join(IMAGE_EXTENSIONS)}) and {LABEL_EXTENSION}")
             return
         text = members[key][LABEL_EXTENSION]
-        try:
-            labels[int(text.decode("ascii").strip())] += 1
-        except (UnicodeDecodeError, ValueError):
-            problems.append(f"sample {key!r} has the label {text[:20]!r}, not an integer")
+        if not _DIGITS.fullmatch(text):   # int() would also take '0_3', '+3', '٣'
+            problems.append(f"sample {key!r} has the label {text[:20]!r}, not an integer "
+                            f"(ASCII digits only)")
+            return
+        labels[int(text)] += 1
 
     current = None
     try:
@@ -221,4 +225,5 @@ def check_shards(shards: List[str], key: str, num_classes: int,
         return ShardCheck(total, low, high, f"{key} has {high + 1} classes (labels 0..{high}, e.g. "
                           f"in shard {where!r}) but data.num_classes={num_classes}; set "
                           f"data.num_classes={high + 1}")
-    return ShardCheck(total, -1 if low is None else low, -1 if high is None else high)
+    return ShardCheck(total, -1 if low is None else low, -1 if high is None else high,
+                      lengths=[results[s]["samples"] for s in shards])

@@ -1,0 +1,117 @@
+"""scripts/gpu_check_plan.py: the GPU check's plan fits its budget, and the run keeps to it
+(skips what does not fit, stops what overruns, writes the summary after every step)."""
+import importlib.util
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def planner():
+    return _module("gpu_check_plan")
+
+
+@pytest.fixture(scope="module")
+def step_ms():
+    """kernel_report --estimate's training-step milliseconds, as the environment step records them."""
+    est = _module("kernel_report").estimate()
+    return {k: [m["step_ms"]["dcvit"], m["step_ms"]["vit"]] for k, m in est["models"].items()}
+
+
+def test_cuda_plan_fits_500_s_from_the_estimate_most_valuable_first(planner, step_ms):
+    rows = planner.plan(500, dry=False, step_ms=step_ms)
+    assert [r["step"] for r in rows][:6] == ["environment", "kernels", "kernel_times", "bench_S_eager_triton",
+                                             "bench_B_eager_triton", "loop_overhead"]
+    planned = sum(r["planned_s"] for r in rows if r["fits"])
+    assert planned <= 500 - planner.RESERVE
+    assert all(r["fits"] for r in rows[:6])                  # issue 28's steps 1 to 5 all fit
+    skipped = {r["step"] for r in rows if not r["fits"]}
+    assert {"bench_S_compile_triton", "train_smoke_compile", "bench_B_compile_triton"} <= skipped
+    # the estimate prices the timed work: a slower model plans longer benchmarks
+    slow = {k: [4 * a, 4 * b] for k, (a, b) in step_ms.items()}
+    bench = {r["step"]: r["planned_s"] for r in planner.plan(500, dry=False, step_ms=slow)}
+    assert bench["bench_B_eager_triton"] > {r["step"]: r["planned_s"] for r in rows}["bench_B_eager_triton"]
+
+
+def test_a_larger_budget_plans_every_step_and_a_small_one_only_the_first_two(planner, step_ms):
+    every = planner.plan(5000, dry=False, step_ms=step_ms)
+    assert all(r["fits"] for r in every)
+    first_two = sum(r["planned_s"] for r in every[:2])
+    few = planner.plan(first_two + planner.RESERVE, dry=False, step_ms=step_ms)
+    assert [r["step"] for r in few if r["fits"]] == ["environment", "kernels"]
+
+
+def test_the_shards_are_planned_only_with_the_training_run_they_are_for(planner, step_ms):
+    rows = planner.plan(5000, dry=False, step_ms=step_ms)
+    before = sum(r["planned_s"] for r in rows[:rows.index(next(r for r in rows if r["step"] == "synthetic_shards"))])
+    cost = {r["step"]: r["planned_s"] for r in rows}
+    budget = before + cost["synthetic_shards"] + cost["train_smoke_eager"] / 2 + planner.RESERVE
+    fits = {r["step"]: r["fits"] for r in planner.plan(budget, dry=False, step_ms=step_ms)}
+    assert fits["loop_overhead"] and not fits["synthetic_shards"] and not fits["train_smoke_eager"]
+
+
+def test_dry_plan_at_120_s_skips_the_compiled_steps(planner):
+    rows = {r["step"]: r for r in planner.plan(120, dry=True)}
+    assert sum(r["planned_s"] for r in rows.values() if r["fits"]) <= 120 - planner.RESERVE
+    assert rows["environment"]["fits"] and rows["kernels"]["fits"] and rows["bench_S_eager_triton"]["fits"]
+    for name in ("bench_S_compile_triton", "train_smoke_compile", "bench_B_compile_triton"):
+        assert not rows[name]["fits"]
+
+
+def _fake_steps(planner):
+    S = planner.Step
+    py = sys.executable
+    return (
+        S("environment", "ok", lambda ms: 1, 1, lambda c: [py, "-c", "print('hello')"]),
+        S("kernels", "fails", lambda ms: 1, 1, lambda c: [py, "-c", "raise SystemExit(3)"]),
+        S("too_big", "more than the budget", lambda ms: 1, 1000, lambda c: [py, "-c", "pass"]),
+        S("after_fail", "needs kernels", lambda ms: 1, 1, lambda c: [py, "-c", "pass"], needs=("kernels",)),
+        S("later", "runs after a skip", lambda ms: 1, 1, lambda c: [py, "-c", "print('later')"]),
+        S("slow", "overruns the budget", lambda ms: 1, 1, lambda c: [py, "-c", "import time; time.sleep(60)"]),
+        S("last", "nothing left for it", lambda ms: 1, 1, lambda c: [py, "-c", "pass"]),
+    )
+
+
+def test_run_skips_stops_and_always_leaves_a_summary(planner, tmp_path, monkeypatch):
+    monkeypatch.setattr(planner, "STEPS", _fake_steps(planner))
+    monkeypatch.setattr(planner, "RESERVE", 0.0)
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    ctx = planner.Context(ROOT, out, scratch, dry=True)
+    meta = planner.run(ctx, budget=8)
+    status = {r["step"]: r["status"] for r in meta["steps"]}
+    assert status == {"environment": "pass", "kernels": "fail", "too_big": "skipped", "after_fail": "skipped",
+                      "later": "pass", "slow": "timeout", "last": "skipped"}
+    rows = {r["step"]: r for r in meta["steps"]}
+    assert rows["slow"]["limit_s"] < 8                       # stopped at the end of the budget
+    assert "planned 1000 s" in rows["too_big"]["reason"]
+    assert "needs kernels" in rows["after_fail"]["reason"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check_logs.tar.gz"]
+    summary = json.loads((out / "gpu_check.json").read_text())
+    assert summary["passed"] is False and summary["budget_s"] == 8
+    assert summary["skipped"] == ["too_big", "after_fail", "last"]
+    assert [r["step"] for r in summary["plan"]] == list(status)
+    with tarfile.open(out / "gpu_check_logs.tar.gz") as tar:
+        names = tar.getnames()
+        assert "gpu_check/steps.json" in names and "gpu_check/later.log" in names
+        assert tar.extractfile("gpu_check/environment.log").read() == b"hello\n"
+
+
+def test_missing_names_what_does_not_import_or_is_too_old(planner, tmp_path):
+    (tmp_path / "pyproject.toml").write_text('dependencies = ["pytest>=999", "json5>=1"]\n')
+    wanted = (("pytest", "pytest"), ("no-such-dist", "no_such_module_here"), ("pyyaml", "yaml"))
+    assert planner.missing(tmp_path / "pyproject.toml", wanted) == ["pytest", "no-such-dist"]
+    assert planner.minimums(ROOT / "pyproject.toml")["timm"] == "1.0.31"
+    reqs = planner.requirements(ROOT / "pyproject.toml")
+    assert len(reqs) == len(planner.REQUIREMENTS) and any(r.startswith("fvcore") for r in reqs)
