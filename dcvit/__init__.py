@@ -10,10 +10,9 @@ The public names are those of the README's table (`__all__`). Importing the pack
 nothing more: the attention layer, its fast cores and kernels load when a model is first
 built or a public name below is first used. So ``dcvit.io`` and ``dcvit.schema`` (the files
 the trainer writes) cost no model code. Other names live in their modules (``import
-dcvit.fused``, ``dcvit.models.DCVIT_MODELS``, ...).
+dcvit.core``, ``dcvit.models.DCVIT_MODELS``, ...).
 """
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any, List
 
 from . import bigvision as _bigvision  # noqa: F401  (registers *_patch16_bv_224 with timm)
@@ -29,17 +28,11 @@ _LAZY = {
     "load_weights": "weights", "save_weights": "weights",
     "model_args": "hub", "save_pretrained": "hub",
     "attention_maps": "maps",
-}
-
-# Names of the previous release, deprecated: each warns once per use and names its module.
-_DEPRECATED = {
-    "DynamicWeights": "attention", "Compose": "attention", "DCMHA_OPTIONS": "attention",
-    "dcmha_layer": "attention", "DCVIT_MODELS": "models", "checkpoint_filter_fn": "models",
-    "BigVisionViT": "bigvision", "BV_DCMHA_OPTIONS": "bigvision", "read_state_dict": "weights",
+    "attention_impl": "fused",
 }
 
 __all__ = ["compose", "DCMHA", "DCMHAOptions", "convert", "load_weights", "save_weights",
-           "model_args", "save_pretrained", "attention_maps"]
+           "model_args", "save_pretrained", "attention_maps", "attention_impl"]
 
 
 def __getattr__(name: str) -> Any:
@@ -47,10 +40,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value
         return value
-    if name in _DEPRECATED:
-        where = f"{__name__}.{_DEPRECATED[name]}"
-        warnings.warn(f"dcvit.{name} is deprecated; use {where}.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(where), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r} (a submodule is reached after "
                          f"`import {__name__}.{name}`; the public names are {__all__})")
 
@@ -62,6 +51,7 @@ def __dir__() -> List[str]:
 if TYPE_CHECKING:
     from .attention import DCMHA, DCMHAOptions
     from .conversion import convert
+    from .fused import attention_impl
     from .hub import model_args
     from .maps import attention_maps
     from .weights import load_weights, save_weights

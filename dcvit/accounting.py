@@ -297,16 +297,16 @@ def _dcmha_macs(attn: DCMHA, n: int) -> Dict[str, int]:
     """DCMHA's additions to one attention layer over n tokens (docs/spec.md §1.2, formula per term)."""
     o, c, h = attn.options, attn.dim, attn.num_heads
     r, k = o.rank, hidden_width(h)
-    slots = attn.slots.count
+    slots = attn.core.slots.count
     out = {"dynamic_weights": 0, "pre_compose": 0, "post_compose": 0}
     if o.dynamic_proj:
         out["dynamic_weights"] += n * c * slots * k          # x @ dw1 -> (N, G, K)
         out["dynamic_weights"] += n * slots * k * 2 * r * h  # hidden @ qkw -> (N, G, 2R, H)
     if o.dynamic_gate:
         out["dynamic_weights"] += n * c * slots * h          # x @ dd_w -> (N, G·H)
-    for stage, module in (("pre", attn.pre_compose), ("post", attn.post_compose)):
+    for stage, module in (("pre", attn.core.pre_compose), ("post", attn.core.post_compose)):
         if module is not None:                               # per (t, s): low-rank and static terms
-            out[stage + "_compose"] += n * n * compose_stage_macs(attn.slots, stage, h, r, o.dynamic_proj,
+            out[stage + "_compose"] += n * n * compose_stage_macs(attn.core.slots, stage, h, r, o.dynamic_proj,
                                                                   module.static is not None)
     return out
 

@@ -119,7 +119,7 @@ class BigVisionViT(VisionTransformer):
         xavier-uniform, bias N(0, 1e-6). Head: zeros. LayerNorms: ones/zeros. DCMHA's own
         parameters keep DCMHA's initialisation (docs/spec.md §1.2).
         """
-        from .attention import DCMHA, DCMHA_PARTS  # the attention stack loads with the first model built
+        from .attention import DCMHA  # the attention stack loads with the first model built
         if mode not in ("", "jax", "reset"):
             raise ValueError(f"{type(self).__name__}.init_weights: only big_vision's initialisation "
                              f"is defined, got mode={mode!r}")
@@ -143,9 +143,9 @@ class BigVisionViT(VisionTransformer):
                 if fc.bias is not None:
                     nn.init.normal_(fc.bias, std=1e-6)
             if isinstance(attn, DCMHA):
-                for name in DCMHA_PARTS:
-                    if getattr(attn, name) is not None:
-                        getattr(attn, name).init_weights()
+                for part in (attn.core.dynamic_weights, attn.core.pre_compose, attn.core.post_compose):
+                    if part is not None:
+                        part.init_weights()
         if isinstance(self.norm, nn.LayerNorm):
             self.norm.reset_parameters()
         if isinstance(self.pre_logits, nn.Sequential):

@@ -128,20 +128,20 @@ def _attention(cv: _Converter, src: str, dst: str) -> int:
     if cv.has(f"{dyn}/dw1/kernel"):
         dw1 = cv.take(f"{dyn}/dw1/kernel")                                   # (C, G=1, 4, K)
         _groups(dw1.shape[1], f"{dyn}/dw1/kernel")
-        cv.put(f"{dst}.dynamic_weights.dw1", dw1[:, 0], f"{dyn}/dw1/kernel")
+        cv.put(f"{dst}.core.dynamic_weights.dw1", dw1[:, 0], f"{dyn}/dw1/kernel")
     if cv.has(f"{dyn}/qkw"):
         qkw = cv.take(f"{dyn}/qkw")                                          # (G=1, 4, K, 2R, H)
         _groups(qkw.shape[0], f"{dyn}/qkw")
-        cv.put(f"{dst}.dynamic_weights.qkw", qkw[0], f"{dyn}/qkw")
+        cv.put(f"{dst}.core.dynamic_weights.qkw", qkw[0], f"{dyn}/qkw")
     if cv.has(f"{dyn}/dd/kernel"):
         dd = cv.take(f"{dyn}/dd/kernel")                                     # (C, G=1, 4H)
         _groups(dd.shape[1], f"{dyn}/dd/kernel")
-        cv.put(f"{dst}.dynamic_weights.dd_w", dd[:, 0], f"{dyn}/dd/kernel")
+        cv.put(f"{dst}.core.dynamic_weights.dd_w", dd[:, 0], f"{dyn}/dd/kernel")
     for stage in ("pre", "post"):
         if cv.has(f"{src}/{stage}_proj/w"):
             w = cv.take(f"{src}/{stage}_proj/w")                             # (G=1, H, H)
             _groups(w.shape[0], f"{src}/{stage}_proj/w")
-            cv.put(f"{dst}.{stage}_compose.static", w[0], f"{src}/{stage}_proj/w")
+            cv.put(f"{dst}.core.{stage}_compose.static", w[0], f"{src}/{stage}_proj/w")
     return h
 
 

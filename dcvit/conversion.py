@@ -20,9 +20,10 @@ Supported attention modules (`SUPPORTED`):
   Encoder ``vit_pe_*``; grouped-query attention included) -> `DCAttentionRope`.
 * ``timm.models.swin_transformer.WindowAttention`` (Swin) -> `DCWindowAttention`.
 
-The last three keep timm's class and its forward up to the attention core (a copy of timm's
-code, held against timm at ``init="identity"`` under every flag it reads), and own DCMHA's
-core as ``core`` (`ComposeCore`).
+The last three are modules of their own, built by composition: each takes timm's layer's
+submodules and settings, runs timm's forward up to the attention core (a copy of timm's
+code, held against timm at ``init="identity"`` under every flag it reads), and holds DCMHA's
+core as ``core`` (`dcvit.core.DCMHACore`), as `dcvit.DCMHA` does.
 
 Where position terms and masks sit. DCMHA composes ``scale * q k^T`` (pre-compose), then
 adds the mask, softmaxes and composes the weights (post-compose) (docs/spec.md §1.3: masks
@@ -31,7 +32,8 @@ pre-compose mixes. Swin's relative position bias is added with the window mask *
 pre-compose, as one additive mask: a head's bias stays that head's own (it is not mixed into
 the other heads' scores) and the fast attention cores, which take an additive mask, run.
 (They run where that mask needs no gradient: in eval, under ``torch.no_grad()``, or with a
-frozen bias table; while the bias table trains, the reference core runs.)
+frozen bias table; while the bias table trains, `select_impl` picks the plain-PyTorch
+``compile`` core.)
 
 ``init="identity"`` makes the converted model compute exactly the original function: the
 gates' weights (``dd_w``), the static matrices and the second factor of the low-rank
@@ -40,25 +42,31 @@ projections (``qkw[:, :, R:]``, which gives ``qw2``/``kw2``) are zero; the first
 and the gates get gradients at the first step, the rest from the next (with both factors zero
 neither would ever move). ``init="paper"`` keeps the authors'
 initialisation of `DynamicWeights` (`DynamicWeights.init_weights`): almost MHA.
+
+The module runs past 400 lines because each supported family's layer carries its copy of
+timm's forward up to the core, next to the one conversion and state-dict fitting they share.
 """
 import logging
+import re
 from functools import partial
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from timm.layers import Attention, AttentionRope
+from timm.layers.attention import resolve_self_attn_mask
 from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from timm.models.eva import EvaAttention
 from timm.models.swin_transformer import WindowAttention
 from torch import Tensor, nn
 
-from .attention import DCMHA, DCMHA_PARTS, DCMHAOptions, _eager_core
-from .matrices import ComposeSlots
+from .attention import DCMHA
+from .core import DCMHA_PARTS, DCMHACore, run_core
+from .options import DCMHAOptions
 
-__all__ = ["convert", "convert_layers", "resolve_layers", "SUPPORTED", "INITS", "ComposeCore", "DCEvaAttention", "DCAttentionRope", "DCWindowAttention",
-           "converted_layers", "is_converted", "DCMHA_STATE_PARTS", "is_dcmha_key",
-           "dcmha_parameters", "fit_state_dict"]
+__all__ = ["convert", "convert_layers", "resolve_layers", "SUPPORTED", "INITS", "DCEvaAttention",
+           "DCAttentionRope", "DCWindowAttention", "converted_layers", "is_converted", "is_dcmha_key",
+           "dcmha_parameters", "fit_state_dict", "core_keys"]
 
 _logger = logging.getLogger(__name__)
 
@@ -74,91 +82,74 @@ SUPPORTED: Dict[str, str] = {
     "timm.models.swin_transformer.WindowAttention": "Swin Transformer",
 }
 
-# FX records each converted layer's core as one call, as in DCMHA (`dcvit.attention._eager_core`):
-# a traced model runs the eager model's core, bit-equal outputs and gradients. (torch.fx.wrap
-# patches the name in the globals of the module that calls it, so this module registers it too.)
-torch.fx.wrap("_eager_core")
-
-# Submodule names of the DCMHA parameters in every converted layer.
-DCMHA_STATE_PARTS = DCMHA_PARTS
+# FX records each layer's core as one call (`dcvit.core.run_core`; torch.fx.wrap patches the
+# name in the globals of the module that calls it, so each such module registers it).
+torch.fx.wrap("run_core")
+torch.fx.wrap("resolve_self_attn_mask")   # a traced is_causal/mask reaches it as a value
 
 
-class ComposeCore(DCMHA):
-    """DCMHA's attention core inside a converted layer, which owns it as ``core`` and calls
-    its ``_core(q, k, v, x, mask, is_causal)``: q, k, v (B, H, N, D), the layer input x
-    (B, N, C) the dynamic weights are generated from, an additive mask -> (B, H, N, D) on
-    the core `dcvit.fused` selects.
+def _take(layer: nn.Module, module: nn.Module, settings: Tuple[str, ...], optional: Tuple[str, ...]) -> None:
+    """Give ``layer`` ``module``'s submodules, parameters and buffers (the very same tensors,
+    under the same names and persistence, so the state-dict keys stay timm's), the plain
+    ``settings`` its forward reads, and None for each ``optional`` part ``module`` lacks.
+    The attention dropout is the core's (`DCMHACore.attn_drop`), so it is not taken."""
+    persistent = set(module.state_dict(keep_vars=True))
+    for name, child in module.named_children():
+        if name != "attn_drop":
+            layer.add_module(name, child)
+    for name, param in module.named_parameters(recurse=False):
+        layer.register_parameter(name, param)
+    for name, buf in module.named_buffers(recurse=False):
+        layer.register_buffer(name, buf, persistent=name in persistent)
+    for name in settings:
+        setattr(layer, name, getattr(module, name))
+    for name in optional:
+        if getattr(module, name, None) is None:
+            setattr(layer, name, None)
 
-    A `DCMHA` built with the layer's options, less the parts a core does not use (q/k/v, the
-    norms, the output projection), with the layer's ``scale`` and ``attn_drop``. Its
-    parameterised parts (``dynamic_weights``, ``pre_compose``, ``post_compose``) are registered
-    on the layer, so the state-dict keys are the layer's (``attn.dynamic_weights.dw1``, as in
-    a DCMHA), and the core holds them as plain references: it has no parameters of its own.
+
+def _add_core(layer: nn.Module, module: nn.Module, dim: int, options: DCMHAOptions, where: str) -> None:
+    """Give ``layer`` (converted from ``module``) its ``core``, a `DCMHACore` with ``module``'s
+    heads, scale, dropout rate, device and dtype, and ``options`` and ``dim`` (the input width
+    the dynamic weights are generated from), as a `DCMHA` has them."""
+    _check_heads(where, dim, module.num_heads)
+    layer.options, layer.dim = options, dim
+    layer.core = DCMHACore(dim, module.num_heads, options, module.scale, module.attn_drop.p,
+                           **_device_dtype(module))
+
+
+def _rotate(t: Tensor, rope: Tensor, prefix: int, half: bool, like: Tensor) -> Tensor:
+    """Rotary embedding on the tokens after the ``prefix`` ones, as timm's EVA layers apply it."""
+    return torch.cat([t[:, :, :prefix], apply_rot_embed_cat(t[:, :, prefix:], rope, half=half)], dim=2).type_as(like)
+
+
+class DCEvaAttention(nn.Module):
+    """timm's ``EvaAttention`` (rotary embeddings, q/v biases, sub-LN) with DCMHA's core.
+
+    Built from an ``EvaAttention`` (`from_eva`): it holds that layer's parts under their
+    names, ``core`` a `DCMHACore`, and its forward is timm's up to the attention core.
     """
 
-    def __init__(self, layer: nn.Module, dim: int, options: DCMHAOptions) -> None:
-        super().__init__(dim, layer.num_heads, options=options, **_device_dtype(layer))
-        for name in ("qkv", "q_norm", "k_norm", "norm", "proj", "proj_drop"):
-            delattr(self, name)
-        self.scale = layer.scale
-        self.attn_drop = layer.attn_drop                     # the layer's dropout (no parameters)
-        for name in DCMHA_PARTS:
-            part = self._modules.pop(name)
-            setattr(layer, name, part)                       # registered once, on the layer
-            object.__setattr__(self, name, part)             # read here (not a submodule of the core)
-
-    def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}"
-
-
-class _Converted:
-    """A timm attention layer whose attention core is DCMHA's: it owns a `ComposeCore` as
-    ``core`` and calls it (``_eager_core(self, ...)`` -> ``self._core`` -> ``self.core._core``:
-    FX keeps the layer, its parameters included, as one call); ``options`` and ``attn_impl``
-    (and ``slots``, ``dim``) are the core's."""
-
-    def _core(self, q: Tensor, k: Tensor, v: Tensor, x: Tensor, attn_mask: Optional[Tensor],
-              is_causal: bool) -> Tensor:
-        return self.core._core(q, k, v, x, attn_mask, is_causal)
-
-    @property
-    def options(self) -> DCMHAOptions:
-        return self.core.options
-
-    @property
-    def slots(self) -> ComposeSlots:
-        return self.core.slots
-
-    @property
-    def dim(self) -> int:
-        """The input width (the dynamic weights are generated from it), as DCMHA's."""
-        return self.core.dim
-
-    @property
-    def attn_impl(self) -> str:
-        return self.core.attn_impl
-
-    @attn_impl.setter
-    def attn_impl(self, value: str) -> None:
-        self.core.attn_impl = value
-
-    def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.options.as_dict().items())
-
-
-class DCEvaAttention(_Converted, EvaAttention):
-    """timm's ``EvaAttention`` (rotary embeddings, q/v biases, sub-LN) with DCMHA's core."""
+    def __init__(self, attn: EvaAttention, options: DCMHAOptions, where: str = "EvaAttention") -> None:
+        super().__init__()
+        _take(self, attn, ("num_heads", "head_dim", "scale", "num_prefix_tokens"),
+              ("qkv", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "gate"))
+        self.qkv_bias_separate = getattr(attn, "qkv_bias_separate", False)
+        self.rotate_half = getattr(attn, "rotate_half", False)
+        self.gate = getattr(attn, "gate", None)
+        dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
+        _add_core(self, attn, dim, options, where)
 
     def forward(self, x: Tensor, rope: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False) -> Tensor:
         B, N, C = x.shape
-        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
         if self.qkv is not None:
             if self.q_bias is None:
                 qkv = self.qkv(x)
             else:
                 qkv_bias = torch.cat((self.q_bias, self.k_bias, self.v_bias))
-                if getattr(self, "qkv_bias_separate", False):
+                if self.qkv_bias_separate:
                     qkv = self.qkv(x)
                     qkv += qkv_bias
                 else:
@@ -170,10 +161,10 @@ class DCEvaAttention(_Converted, EvaAttention):
             v = self.v_proj(x).reshape(B, N, self.num_heads, -1).transpose(1, 2)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            npt, half = self.num_prefix_tokens, getattr(self, "rotate_half", False)
-            q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], dim=2).type_as(v)
-            k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], dim=2).type_as(v)
-        out = _eager_core(self, q, k, v, x, attn_mask, is_causal)                     # (B, H, N, D)
+            q = _rotate(q, rope, self.num_prefix_tokens, self.rotate_half, v)
+            k = _rotate(k, rope, self.num_prefix_tokens, self.rotate_half, v)
+        mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)
+        out = run_core(self.core, q, k, v, x, mask)                                  # (B, H, N, D)
         out = out.transpose(1, 2).reshape(B, N, -1)
         out = self.norm(out)
         if gate is not None:
@@ -181,9 +172,17 @@ class DCEvaAttention(_Converted, EvaAttention):
         return self.proj_drop(self.proj(out))
 
 
-class DCAttentionRope(_Converted, AttentionRope):
+class DCAttentionRope(nn.Module):
     """timm's ``AttentionRope`` (rotary embeddings, grouped-query attention) with DCMHA's core:
     k and v heads are repeated to the query heads before the core, as in the original."""
+
+    def __init__(self, attn: AttentionRope, options: DCMHAOptions, where: str = "AttentionRope") -> None:
+        super().__init__()
+        _take(self, attn, ("num_heads", "num_kv_heads", "num_kv_groups", "head_dim", "attn_dim", "scale",
+                           "num_prefix_tokens"), ("qkv", "q_proj", "k_proj", "v_proj", "gate"))
+        self.rotate_half = getattr(attn, "rotate_half", False)
+        dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
+        _add_core(self, attn, dim, options, where)
 
     def forward(self, x: Tensor, rope: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                 is_causal: bool = False) -> Tensor:
@@ -197,37 +196,52 @@ class DCAttentionRope(_Converted, AttentionRope):
             v = self.v_proj(x).reshape(B, N, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            npt, half = self.num_prefix_tokens, getattr(self, "rotate_half", False)
-            q = torch.cat([q[:, :, :npt], apply_rot_embed_cat(q[:, :, npt:], rope, half=half)], dim=2).type_as(v)
-            k = torch.cat([k[:, :, :npt], apply_rot_embed_cat(k[:, :, npt:], rope, half=half)], dim=2).type_as(v)
+            q = _rotate(q, rope, self.num_prefix_tokens, self.rotate_half, v)
+            k = _rotate(k, rope, self.num_prefix_tokens, self.rotate_half, v)
         if self.num_kv_groups > 1:
             k = k.repeat_interleave(self.num_kv_groups, dim=1)
             v = v.repeat_interleave(self.num_kv_groups, dim=1)
-        out = _eager_core(self, q, k, v, x, attn_mask, is_causal)                     # (B, H, N, D)
+        mask = resolve_self_attn_mask(N, q, attn_mask, is_causal)
+        out = run_core(self.core, q, k, v, x, mask)                                  # (B, H, N, D)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
         return self.proj_drop(self.proj(out))
 
 
-class DCWindowAttention(_Converted, WindowAttention):
+class DCWindowAttention(nn.Module):
     """timm's Swin ``WindowAttention`` with DCMHA's core, per window.
 
     The relative position bias (1, H, N, N) and the shifted-window mask (nW, N, N) are added
     after pre-compose, as one additive mask.
     """
 
+    def __init__(self, attn: WindowAttention, options: DCMHAOptions, where: str = "WindowAttention") -> None:
+        super().__init__()
+        _take(self, attn, ("num_heads", "window_size", "window_area", "scale"), ())
+        _add_core(self, attn, attn.qkv.in_features, options, where)
+
+    def _rel_pos_bias(self) -> Tensor:
+        """(1, H, N, N): the window's relative position bias, as timm's ``_get_rel_pos_bias``."""
+        n = self.window_area
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        return bias.permute(2, 0, 1).contiguous().unsqueeze(0)
+
     def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
         B_, N, C = x.shape
         q, k, v = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
-        bias = self._get_rel_pos_bias()                                              # (1, H, N, N)
+        bias = self._rel_pos_bias()                                                  # (1, H, N, N)
         if mask is not None:
             nw = mask.shape[0]
             bias = bias + mask.unsqueeze(1).to(bias.dtype)                           # (nW, H, N, N)
             bias = bias.unsqueeze(0).expand(B_ // nw, -1, -1, -1, -1).reshape(B_, self.num_heads, N, N)
-        out = _eager_core(self, q, k, v, x, bias, False)                              # (B_, H, N, D)
+        out = run_core(self.core, q, k, v, x, bias)                                   # (B_, H, N, D)
         out = out.transpose(1, 2).reshape(B_, N, -1)
         return self.proj_drop(self.proj(out))
+
+
+# Each converted layer type, and how one is built from its timm original.
+CONVERTED = (DCEvaAttention, DCAttentionRope, DCWindowAttention)
 
 
 def _norm_layer(*norms: nn.Module) -> Optional[Callable[..., nn.Module]]:
@@ -261,7 +275,7 @@ def _from_attention(attn: Attention, options: DCMHAOptions, where: str) -> DCMHA
                   qk_norm=not isinstance(attn.q_norm, nn.Identity), scale_norm=not isinstance(attn.norm, nn.Identity),
                   proj_bias=attn.proj.bias is not None, attn_drop=attn.attn_drop.p, proj_drop=attn.proj_drop.p,
                   norm_layer=_norm_layer(attn.q_norm, attn.norm), options=options, **_device_dtype(attn))
-    taken = ["qkv", "norm", "proj", "attn_drop", "proj_drop"]
+    taken = ["qkv", "norm", "proj", "proj_drop"]
     if options.qk_norm_bias or getattr(attn.q_norm, "bias", None) is None:
         taken += ["q_norm", "k_norm"]
     else:                          # scale-only q/k norms asked for: DCMHA's own, with the scales
@@ -282,46 +296,18 @@ def _check_heads(where: str, dim: int, num_heads: int) -> None:
                          f"DCMHA needs the head count to divide the input width")
 
 
-def _with_core(module: nn.Module, cls: type, dim: int, options: DCMHAOptions, where: str) -> nn.Module:
-    """A ``cls`` (a `_Converted` subclass of ``type(module)``) that shares module's
-    submodules, parameters, buffers and settings (whatever timm's forward reads), in stores of
-    its own so that the original is left intact, and owns a `ComposeCore` built with ``options``."""
-    layer = cls.__new__(cls)
-    layer.__dict__ = dict(module.__dict__)
-    for store in ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"):
-        layer.__dict__[store] = type(module.__dict__[store])(module.__dict__[store])
-    _check_heads(where, dim, module.num_heads)
-    layer.core = ComposeCore(layer, dim, options)
-    return layer
-
-
-def _from_eva(attn: EvaAttention, options: DCMHAOptions, where: str) -> DCEvaAttention:
-    dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
-    return _with_core(attn, DCEvaAttention, dim, options, where)
-
-
-def _from_rope(attn: AttentionRope, options: DCMHAOptions, where: str) -> DCAttentionRope:
-    dim = attn.qkv.in_features if attn.qkv is not None else attn.q_proj.in_features
-    return _with_core(attn, DCAttentionRope, dim, options, where)
-
-
-def _from_window(attn: WindowAttention, options: DCMHAOptions, where: str) -> DCWindowAttention:
-    return _with_core(attn, DCWindowAttention, attn.qkv.in_features, options, where)
-
-
 # Exact types only: a subclass may compute attention differently.
 _CONVERTERS: Dict[type, Callable[[Any, DCMHAOptions, str], nn.Module]] = {
     Attention: _from_attention,
-    EvaAttention: _from_eva,
-    AttentionRope: _from_rope,
-    WindowAttention: _from_window,
+    EvaAttention: DCEvaAttention,
+    AttentionRope: DCAttentionRope,
+    WindowAttention: DCWindowAttention,
 }
 
 
 def converted_layers(model: nn.Module) -> List[str]:
     """Names of the DCMHA layers (dcvit's own or converted) in ``model``."""
-    return [name for name, m in model.named_modules()
-            if isinstance(m, _Converted) or (isinstance(m, DCMHA) and not isinstance(m, ComposeCore))]
+    return [name for name, m in model.named_modules() if isinstance(m, (DCMHA, *CONVERTED))]
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -358,13 +344,14 @@ def resolve_layers(layers: Optional[Iterable[int]], count: int, where: str = "co
 
 @torch.no_grad()
 def _identity_init(layer: nn.Module) -> None:
-    dw = layer.dynamic_weights
+    core = layer.core
+    dw = core.dynamic_weights
     if dw is not None:
         if dw.qkw is not None:
             dw.qkw[:, :, dw.rank:].zero_()                       # second low-rank factor: qw2, kw2
         if dw.dd_w is not None:
             dw.dd_w.zero_()                                      # gates
-    for stage in (layer.pre_compose, layer.post_compose):
+    for stage in (core.pre_compose, core.post_compose):
         if stage is not None and stage.static is not None:
             stage.static.zero_()
 
@@ -391,7 +378,7 @@ def convert(model: nn.Module, layers: Optional[Iterable[int]] = None, init: str 
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: expected a torch.nn.Module (a timm model), got {type(model).__name__}")
     selected, found = convert_layers(model, layers, init, options)
-    skipped = [f"{n} ({t})" for n, t in _attention_like(model) if not isinstance(model.get_submodule(n), _Converted)]
+    skipped = [f"{n} ({t})" for n, t in _attention_like(model) if not isinstance(model.get_submodule(n), CONVERTED)]
     if skipped:
         _logger.warning("convert: left %d module(s) of other attention types as they are: %s",
                         len(skipped), ", ".join(skipped))
@@ -430,12 +417,28 @@ def convert_layers(model: nn.Module, layers: Optional[Iterable[int]], init: str,
 
 def is_dcmha_key(key: str) -> bool:
     """Whether a state-dict key names a DCMHA tensor (of ``dynamic_weights``/``*_compose``)."""
-    return any(f".{part}." in f".{key}" for part in DCMHA_STATE_PARTS)
+    return any(f".{part}." in f".{key}" for part in DCMHA_PARTS)
 
 
 def dcmha_parameters(model: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     """The (name, parameter) pairs that DCMHA adds to ``model`` (what a conversion adds)."""
     return [(name, p) for name, p in model.named_parameters() if is_dcmha_key(name)]
+
+
+_PART_KEY = re.compile(r"(^|\.)(" + "|".join(DCMHA_PARTS) + r")\.")
+
+
+def core_keys(state_dict: Dict[str, Tensor], own: Iterable[str]) -> Dict[str, Tensor]:
+    """``state_dict`` with DCMHA tensors saved on the layer itself (``blocks.0.attn.dynamic_weights.dw1``,
+    the layout of checkpoints written before the layers held a `DCMHACore`) renamed to the
+    layer's core (``blocks.0.attn.core.dynamic_weights.dw1``) where ``own`` (the model's
+    keys) has that name and not the old one; other keys as they are, in their order."""
+    own = set(own)
+    out = {}
+    for key, value in state_dict.items():
+        new = _PART_KEY.sub(r"\1core.\2.", key, count=1)
+        out[new if key not in own and new in own else key] = value
+    return out
 
 
 def fit_state_dict(model: nn.Module, state_dict: Dict[str, Tensor], source: str = "checkpoint") -> Dict[str, Tensor]:
@@ -447,6 +450,7 @@ def fit_state_dict(model: nn.Module, state_dict: Dict[str, Tensor], source: str 
     the model first. Anything else is returned unchanged (``load_state_dict`` judges it).
     """
     own = model.state_dict()
+    state_dict = core_keys(state_dict, own)
     extra = [k for k in state_dict if is_dcmha_key(k) and k not in own]
     if extra and not is_converted(model):
         raise ValueError(f"{source} holds {len(extra)} DCMHA tensors (e.g. {extra[0]!r}): it comes from a model "

@@ -6,19 +6,13 @@ picks the ``"export"`` core, `export_core`. It computes what the reference core 
 time (ONNX Runtime): no ``Einsum``, batched ``MatMul`` for every product, and few passes over
 the (B, H, N, N) maps.
 
-* The dynamic weights come from two GEMMs (the slots' second projection as one
-  block-diagonal matrix), and every slot's Compose matrix (`dcvit.matrices`) from a few
-  small ops on (B, N, G, H, H): ``Mq`` = identity + static + query-wise low-rank + gate,
-  ``Mk`` = key-wise low-rank + gate. The identity joins the gate's diagonal, and each slot
-  leaves as its own (B, N, H, H) tensor, so that a per-sample step below takes its slots
-  without splitting them again.
-* The maps are kept query-major, (B, T, H, S), so that the softmax runs on the last axis.
-* A Compose stage is two batched ``MatMul``: the query side ``Mq[b,t]^T @ a[b,t]`` (one
-  H×H matrix per query, on (H, S) blocks) and the key side ``a[b,:,:,s] @ Mk[b,s]`` (per
-  key, on (T, H) blocks of the map moved to (B, S, T, H)), then one ``Add``. The key side's
-  layout changes are transposes of two axes of a 3-D view (reshapes around them), which
-  ONNX Runtime's transpose optimiser cannot merge with the neighbouring ones into a general
-  permutation, several times slower.
+* The dynamic weights and every slot's Compose matrix are the core's own
+  (`DynamicWeights`, `dcvit.matrices.slot_matrices`), built from GEMMs and small ops on
+  (B, N, G, H, H); nothing here derives them again.
+* The maps are kept query-major, (B, T, H, S), so that the softmax runs on the last axis,
+  and a Compose stage is two batched ``MatMul`` and one ``Add``
+  (`dcvit.matrices.attention_with_matrices` and `mix`: the eager ``compile`` core
+  runs the same function).
 * In an ONNX export, without a mask, the maps are made one sample at a time: a ``scan``
   over the batch (an ONNX ``Scan`` node) runs scores, both Compose stages, softmax and p v
   on one (H, N, N) map, which stays in cache (0.9 MB for ViT-S/16), where a batch of 16
@@ -29,97 +23,17 @@ the (B, H, N, N) maps.
   (torch releases before its converter).
 
 Attention dropout in training needs the composed weights as the reference core makes them:
-a training-mode layer with ``attn_drop > 0`` runs the reference core.
+there `select_impl` picks the reference core.
 """
 import functools
 from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
-from timm.layers.attention import resolve_self_attn_mask
 from torch import Tensor, nn
 
-from .matrices import RMS_EPS, identity_diagonal
+from .matrices import ComposeMatrices, attention_with_matrices
 
 __all__ = ["export_core"]
-
-
-def _slot_matrices(layer: nn.Module, x: Tensor) -> Optional[List[Tensor]]:
-    """Every dynamic slot's Compose matrix, one (B, N, H, H) tensor per slot, or None without
-    dynamic slots: ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity (on the
-    diagonal with the gate) and the stage's static matrix on the query slots."""
-    dw = layer.dynamic_weights
-    if dw is None:
-        return None
-    B, N, C = x.shape
-    G, K, H, R = dw.num_slots, dw.hidden_dim, dw.num_heads, dw.rank
-    eye = torch.eye(H, dtype=x.dtype, device=x.device)
-    diag = identity_diagonal(layer.slots.query_slots, G, x.dtype, x.device).unsqueeze(-1)   # (G, 1, 1)
-    statics = {slot: stage.static for stage, slot in ((layer.pre_compose, layer.slots.pre_q),
-                                                      (layer.post_compose, layer.slots.post_q))
-               if stage is not None and slot is not None and stage.static is not None}
-    gate_in: Optional[Tensor] = None
-    m: Optional[Tensor] = None
-    if dw.dw1 is not None and dw.qkw is not None:
-        if dw.dd_w is not None:                                  # both input projections in one GEMM
-            y = x @ torch.cat([dw.dw1.reshape(C, G * K), dw.dd_w], dim=1)
-            hidden, gate_in = y[..., :G * K], y[..., G * K:]
-        else:
-            hidden = x @ dw.dw1.reshape(C, G * K)
-        hidden = dw.drop(F.gelu(hidden, approximate=dw.approximate))            # (B, N, G*K)
-        qkw = torch.block_diag(*dw.qkw.reshape(G, K, 2 * R * H).unbind(0))     # (G*K, G*2R*H)
-        w = (hidden @ qkw).reshape(B, N, G, 2 * R, H)
-        w1, w2 = w[..., :R, :], w[..., R:, :]
-        # the RMS norm as ONNX Runtime's fusion into one SimplifiedLayerNormalization expects it:
-        # a division by the root, then a scale (here a unit one)
-        w1 = w1 / torch.sqrt(w1.pow(2).mean(dim=-1, keepdim=True) + RMS_EPS) * torch.ones_like(eye[0])
-        m = w1.transpose(-1, -2) @ w2                                          # (B, N, G, H, H)
-    if dw.dd_w is not None:
-        if gate_in is None:
-            gate_in = x @ dw.dd_w
-        diag = dw.drop(torch.tanh(gate_in)).reshape(B, N, G, H, 1) + diag
-    m = diag * eye if m is None else m + diag * eye                            # (B, N, G, H, H)
-    if statics:                                                  # the query slots' static matrices
-        m = m + torch.stack([statics[g].to(x.dtype) if g in statics else eye * 0 for g in range(G)])
-    return list(m.unbind(-3))
-
-
-def _compose(a: Tensor, mats: Optional[List[Tensor]], stage: Optional[nn.Module], q_slot: Optional[int],
-             k_slot: Optional[int]) -> Tensor:
-    """One Compose stage on the query-major map a (..., T, H, S) with the slot matrices, one
-    (..., N, H, H) per slot (leading axes: the batch, or none for one sample)."""
-    if stage is None:
-        return a
-    *lead, T, H, S = a.shape
-    if mats is not None and q_slot is not None:
-        out = mats[q_slot].transpose(-1, -2) @ a                                # (..., T, H, S)
-    elif stage.static is not None:
-        eye = torch.eye(H, dtype=a.dtype, device=a.device)
-        out = (eye + stage.static.to(a.dtype)).transpose(0, 1) @ a
-    else:
-        out = a
-    if mats is not None and k_slot is not None:                  # key-major (..., S, T, H) and back
-        per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H)
-        per_key = per_key @ mats[k_slot]
-        out = out + per_key.reshape(*lead, S, T * H).transpose(-1, -2).reshape(*lead, T, H, S)
-    return out
-
-
-def _attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mats: Optional[List[Tensor]],
-               mask: Optional[Tensor]) -> Tensor:
-    """Scores, both Compose stages, softmax and p v on query-major maps: q, k, v (..., H, N, D),
-    the slot matrices (..., N, H, H) and an additive mask broadcastable to (B, H, N, N)."""
-    slots = layer.slots
-    a = ((q * layer.scale) @ k.transpose(-2, -1)).transpose(-3, -2)           # (..., T, H, S)
-    a = _compose(a, mats, layer.pre_compose, slots.pre_q, slots.pre_k)
-    if mask is not None:
-        mask = mask.to(a.dtype)
-        while mask.dim() < 4:
-            mask = mask.unsqueeze(0)
-        a = a + mask.transpose(1, 2)
-    a = a.softmax(dim=-1)
-    a = _compose(a, mats, layer.post_compose, slots.post_q, slots.post_k)
-    return a.transpose(-3, -2) @ v                                              # (..., H, T, D)
 
 
 @functools.cache
@@ -133,23 +47,29 @@ def _onnx_exports_scan() -> bool:
     return hasattr(hop, "higher_order_scan")
 
 
-def export_core(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
-                attn_mask: Optional[Tensor], is_causal: bool) -> Tensor:
-    """The attention core of a `dcvit.DCMHA` (or converted) layer: q, k, v (B, H, N, D) and
-    the layer input x (B, N, C) -> (B, H, N, D), equal to ``layer._reference_core`` up to
-    rounding."""
-    if layer.training and layer.attn_drop.p > 0:
-        w1, w2, dd = layer.dynamic_weights(x) if layer.dynamic_weights is not None else (None, None, None)
-        return layer._reference_core(q, k, v, w1, w2, dd, attn_mask, is_causal)
-    mats = _slot_matrices(layer, x.to(q.dtype))
-    mask = resolve_self_attn_mask(q.shape[2], q, attn_mask, is_causal)
+def export_core(core: nn.Module, q: Tensor, k: Tensor, v: Tensor, x: Tensor,
+                mask: Optional[Tensor]) -> Tensor:
+    """The attention core of a `dcvit.core.DCMHACore`: q, k, v (B, H, N, D), the layer input
+    x (B, N, C) and an additive mask -> (B, H, N, D), equal to ``core.reference`` up to
+    rounding. The matrices are the core's own (`DCMHACore.matrices`); this function only
+    arranges `dcvit.matrices.attention_with_matrices` over them, batched or one sample at a time."""
+    mats = core.matrices(x, q, "export")
     if mask is not None or not torch.onnx.is_in_onnx_export() or not _onnx_exports_scan():
-        return _attention(layer, q, k, v, mats, mask)
+        return attention_with_matrices(q, k, v, mask, mats, core.scale)
     from torch._higher_order_ops.scan import scan
+    B = q.shape[0]
+    # scan takes tensors with the batch axis first: a stage's shared (1, 1, H, H) matrix
+    # (no query-wise dynamic weights) is expanded to every sample
+    present = [i for i, m in enumerate(mats) if m is not None]
+    batched = [mats[i].expand(B, *mats[i].shape[1:]) for i in present]
 
     def sample(carry: Tensor, xs: List[Tensor]) -> Tuple[Tensor, Tensor]:
+        one: List[Optional[Tensor]] = [None] * 4
+        for i, m in zip(present, xs[3:]):
+            one[i] = m
         # scan needs a carry (an unused scalar), returned as a new tensor: no output may alias an input
-        return carry.clone(), _attention(layer, xs[0], xs[1], xs[2], xs[3:] or None, None)
+        return carry.clone(), attention_with_matrices(xs[0], xs[1], xs[2], None, ComposeMatrices(*one),
+                                                      core.scale)
 
-    _, out = scan(sample, q.new_zeros(()), [q, k, v] + (mats or []))
+    _, out = scan(sample, q.new_zeros(()), [q, k, v] + batched)
     return out

@@ -1,23 +1,24 @@
 """DCMHA's attention core: which implementation runs it, and the custom op of its kernels.
 
 With each Compose stage merged into per-token H×H matrices (`dcvit.matrices`), the attention
-core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Four *cores* compute it:
+core is ``softmax(compose1(scale q k^T) + mask) -> compose2 -> @ v``. Five *cores* compute it:
 
 * ``"reference"``: the `Compose` modules, one (B, H, T, S) tensor per term: the spec, what
-  hooks see, and what TorchScript and ``torch.jit.trace`` (fvcore) record. DCMHA runs it
-  itself (`dcvit.attention`). Under ``torch.export`` (ONNX, AOTInductor) the layer runs
-  ``"export"`` instead, `dcvit.export_core`: the same maths in standard ops arranged for
-  inference engines (not a core one can force).
+  hooks see, and what TorchScript and ``torch.jit.trace`` (fvcore) record
+  (`dcvit.core.DCMHACore.reference`);
+* ``"export"``: `dcvit.export_core`, what ``torch.export`` (ONNX, AOTInductor) records: the
+  maths in standard ops arranged for inference engines
+  (`dcvit.matrices.attention_with_matrices`);
 * ``"cpp"``: the C++ kernels (`dcvit.kernels.compose_cpu`, operators ``dcvit_cpu::*``), CPU:
   the whole core, products included, flash-style per batch element and block of queries;
   float32/float64 (bfloat16/float16 operands are computed in float32 and cast back);
-* ``"triton"``: Triton kernels (`dcvit.kernels.triton_core`), CUDA (CPU tensors only under
-  Triton's interpreter): the whole core, forward and backward; the forward keeps each
-  head's row log-sum-exp for the backward;
+* ``"triton"``: Triton kernels (`dcvit.kernels.triton_core`), CUDA: the whole core, forward
+  and backward; the forward keeps each head's row log-sum-exp for the backward;
 * ``"compile"``: plain differentiable PyTorch on the merged matrices
-  (`composed_attention_compile`), for ``torch.compile`` graphs to fuse, and the core of every
-  case no kernel takes: the attention weights themselves (attention dropout in training),
-  a mask that requires grad, more heads than a kernel holds, float64 on CUDA, no kernel built.
+  (`composed_attention_compile`): inside ``torch.compile`` a form inductor fuses, in eager
+  mode `dcvit.matrices.attention_with_matrices`, as the export core; the core of every
+  case no kernel takes: the attention weights themselves (attention dropout in training), a mask that
+  requires grad, more heads than a kernel holds, float64 on CUDA, no kernel built.
 
 `select_impl` is the one place that picks a core: it returns the core and a short reason,
 by context (tracing, export, compilation), device, dtype, heads and what the layer needs;
@@ -30,7 +31,7 @@ matrices and whatever statistics the core keeps, recomputes the (B, H, T, S) map
 backward, and ``torch.compile`` keeps it as one node. Its autograd and fake-tensor rules are
 written once; a device's kernels for one core are plugged in with `register_core`, from
 this module (kernels never import it): the C++ core for ``"cpu"``, the Triton core for
-``"cuda"`` (and ``"cpu"``, where it runs only under the interpreter)::
+``"cuda"`` (the tests add ``"cpu"``, where it runs under Triton's interpreter)::
 
     register_core("cuda", "triton", forward, backward, stats)
     # forward(q, k, v, mask, mq1, mk1, mq2, mk2, scale) -> (out (B, T, H, D), stats or None)
@@ -52,6 +53,10 @@ FLOP counting: ``torch.utils.flop_counter`` formulas are registered for both ops
 per multiply-add; the backward counts twice the forward (each product's two operand
 gradients, as torch counts its own attention's backward; the kernels' recomputation of the
 maps is not counted).
+
+The module runs past 400 lines because the chooser, the op with its autograd, fake and FLOP
+rules, and the device registrations are one contract: each rule is written once for every
+core, and a kernel plugs into all of them in one place.
 """
 import contextlib
 from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -61,12 +66,13 @@ from torch import Tensor
 from torch.utils import flop_counter
 
 from .kernels import compose_cpu
-from .matrices import ComposeMatrices, mix, mix_fusable
+from .matrices import ComposeMatrices, attention_with_matrices, mix_fusable
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "composed_attention",
-           "composed_attention_compile", "attention_macs", "CUDA_MEASURED"]
+           "composed_attention_compile", "attention_macs"]
 
-IMPLS = ("auto", "reference", "cpp", "triton", "compile")
+# "auto" (choose) and every core `select_impl` can return.
+IMPLS = ("auto", "reference", "cpp", "triton", "compile", "export")
 
 _KERNEL_CORES = ("cpp", "triton")   # the cores that run through the custom op
 
@@ -90,8 +96,7 @@ def attention_impl(name: str) -> Iterator[None]:
 
 def _check_impl(name: str) -> None:
     if name not in IMPLS:
-        hint = " ('torch' was removed: 'compile' is the plain-PyTorch core)" if name == "torch" else ""
-        raise ValueError(f"unknown DCMHA attention implementation {name!r}; choose one of {IMPLS}{hint}")
+        raise ValueError(f"unknown DCMHA attention implementation {name!r}; choose one of {IMPLS}")
 
 
 def _is_fx_tracing() -> bool:
@@ -114,21 +119,26 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
     needs a differentiable core). Returns ``(core, reason)``, the reason a short sentence.
 
     ``torch.export`` (ONNX export, AOTInductor) -> ``export`` (`dcvit.export_core`: standard
-    ops arranged for inference engines) unless ``reference`` (the paper's graph) or ``cpp``
-    (the C++ custom op kept in the program) is forced. Tracing (``torch.jit.trace``, FX) ->
-    ``reference`` whatever is forced, so that the trace records every op of the spec; meta
-    tensors likewise (shapes only). Otherwise the forced core (`attention_impl`,
-    then the layer's ``attn_impl``): a forced kernel that cannot take the inputs raises
-    ``ValueError`` with the reason. ``auto``: the weights or a mask gradient -> ``compile``;
-    CPU -> ``cpp`` when the kernel is built and takes the inputs (also inside
-    ``torch.compile``: a custom op the graph keeps); CUDA -> the core measured fastest on
-    this GPU (`CUDA_MEASURED`), else inside ``torch.compile`` ``compile``, else ``triton``
-    when it takes the inputs and its kernels pass their one-time check on this device
-    (`triton_core.works_on`); everything else -> ``compile``.
+    ops arranged for inference engines; ``reference`` when the weights are needed) unless
+    ``reference`` (the paper's graph) or ``cpp`` (the C++ custom op kept in the program) is
+    forced. Tracing (``torch.jit.trace``, FX) -> ``reference`` whatever is forced, so that the
+    trace records every op of the spec; meta tensors likewise (shapes only). Otherwise the
+    forced core (`attention_impl`, then the layer's ``attn_impl``): a forced kernel that
+    cannot take the inputs raises ``ValueError`` with the reason; a forced ``export`` runs
+    its graph in eager mode. ``auto``: the weights or a mask gradient -> ``compile``; CPU ->
+    ``cpp`` when the kernel is built and takes the inputs (also inside ``torch.compile``: a
+    custom op the graph keeps); CUDA -> inside ``torch.compile`` ``compile``, else
+    ``triton`` when it takes the inputs and its kernels pass their one-time check on this
+    device (`triton_core.works_on`); everything else -> ``compile``.
+
+    The core also fixes how its per-token matrices are built (`dcvit.core.DCMHACore.matrices`):
+    by the C++ kernel for ``cpp``, in PyTorch for the others.
     """
     name = _override[-1] if _override and _override[-1] != "auto" else layer_impl
     _check_impl(name)
     if _is_exporting() and name not in ("reference", "cpp"):
+        if weights:
+            return "reference", "exported in training with attention dropout: the weights themselves"
         return "export", "exported: standard ops arranged for inference engines (dcvit.export_core)"
     if _is_fx_tracing() or torch.jit.is_tracing():
         return "reference", "traced: the trace records every op of the spec"
@@ -142,6 +152,8 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
             raise ValueError(f"DCMHA's attention core {name!r} cannot run here: {why}; force "
                              "'compile' or 'reference', or let 'auto' choose")
         return name, "forced"
+    if name == "export" and weights:
+        return "reference", "forced 'export', but the attention weights themselves are needed"
     if name != "auto":
         return name, "forced"
     if weights:
@@ -150,11 +162,8 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
         return "compile", "the mask requires grad (the kernels return no mask gradient)"
     compiling = torch.compiler.is_compiling()
     if q.device.type == "cuda":
-        measured = _cuda_measured(q, "compile" if compiling else "eager")
-        if measured and not (measured in _KERNEL_CORES and _refuses(measured, q, weights, mask)):
-            return measured, f"measured fastest on {torch.cuda.get_device_name(q.device)}"
         if compiling:
-            return "compile", "inside torch.compile on a GPU without figures: inductor fuses the plain maths"
+            return "compile", "inside torch.compile on a GPU: inductor fuses the plain maths"
         why = _refuses("triton", q, weights, mask)
         if why is None and not _triton().works_on(q):
             why = "the Triton kernels failed their one-time check on this device (see the warning)"
@@ -190,30 +199,12 @@ def _refuses(core: str, q: Tensor, weights: bool, mask: Optional[Tensor]) -> Opt
     unsupported = triton_core.unsupported_reason()
     if unsupported:
         return unsupported
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and triton_core.interpreted()):
-        return f"the Triton kernels run on CUDA tensors (CPU only under TRITON_INTERPRET=1), got {q.device.type}"
+    if q.device.type != "cuda" and not (triton_core.interpreted() and (q.device.type, "triton") in _CORES):
+        return f"the Triton kernels run on CUDA tensors, got {q.device.type}"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"the Triton kernels take float32/bfloat16/float16, got {q.dtype}"
     if H > triton_core.MAX_HEADS:
         return f"{H} heads, more than the Triton kernels' {triton_core.MAX_HEADS}"
-    return None
-
-
-# The CUDA cores chosen from `scripts/gpu_check.sh` figures (the fastest training step at
-# bf16, batch 256, for DCViT-S/16 and B/16), by GPU: a substring of
-# torch.cuda.get_device_name() -> {"eager": core, "compile": core}. A GPU without an entry
-# gets the safest core (docs/performance.md, "On CUDA").
-CUDA_MEASURED: Dict[str, Dict[str, str]] = {}
-
-
-def _cuda_measured(q: Tensor, mode: str) -> Optional[str]:
-    """The core measured fastest on q's GPU in ``mode`` ("eager" or "compile"), or None."""
-    if not CUDA_MEASURED:
-        return None
-    name = torch.cuda.get_device_name(q.device)
-    for key, cores in CUDA_MEASURED.items():
-        if key in name and mode in cores:
-            return cores[mode]
     return None
 
 
@@ -451,10 +442,9 @@ def _triton_stats(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return q.new_empty(B, H, T, dtype=torch.float32)
 
 
-# The Triton core on CUDA, and on CPU tensors under Triton's interpreter (elsewhere its
-# forward raises an error that names the fix). Triton itself is imported on first use.
-for _device in ("cuda", "cpu"):
-    register_core(_device, "triton", _triton_forward, _triton_backward, _triton_stats)
+# The Triton core on CUDA (Triton itself is imported on first use). The tests also register
+# it for CPU tensors, which it takes under Triton's interpreter (tests/conftest.py).
+register_core("cuda", "triton", _triton_forward, _triton_backward, _triton_stats)
 
 
 # ------------------------------------------------------------------------------ the cores
@@ -487,15 +477,16 @@ def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: 
     """The core in plain differentiable PyTorch (the ``"compile"`` core): (B, H, T, D), or the
     composed weights (B, H, T, S) when ``v`` is None.
 
-    Inside ``torch.compile`` each Compose stage is a sum of broadcast products
-    (`dcvit.matrices.mix_fusable`) that inductor fuses into one loop nest; in eager mode the
-    batched matmuls of `dcvit.matrices.mix` (fewer, smaller temporaries saved for backward).
+    In eager mode `dcvit.matrices.attention_with_matrices` (the formulation the export core
+    runs too); inside ``torch.compile`` each Compose stage is a sum of broadcast products on
+    head-major maps (`dcvit.matrices.mix_fusable`) that inductor fuses into one loop nest.
     """
-    mixer = mix_fusable if torch.compiler.is_compiling() else mix
+    if not torch.compiler.is_compiling():
+        return attention_with_matrices(q, k, v, mask, mats, scale)
     a = (q * scale) @ k.transpose(-2, -1)                                    # (B, H, T, S)
     for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
         if mq is not None:
-            a = mixer(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
+            a = mix_fusable(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
         if softmax:
             a = a if mask is None else a + mask
             a = a.softmax(dim=-1)

@@ -39,10 +39,10 @@ def attention_maps(model: nn.Module, images: Tensor) -> List[Dict[str, object]]:
     was_training = model.training
     try:
         for record, (_, layer) in zip(records, layers):
-            if layer.pre_compose is not None:
-                handles.append(layer.pre_compose.register_forward_hook(recorder(record, "scores")))
-            if layer.post_compose is not None:
-                handles.append(layer.post_compose.register_forward_hook(recorder(record, "weights")))
+            if layer.core.pre_compose is not None:
+                handles.append(layer.core.pre_compose.register_forward_hook(recorder(record, "scores")))
+            if layer.core.post_compose is not None:
+                handles.append(layer.core.post_compose.register_forward_hook(recorder(record, "weights")))
         model.eval()
         with attention_impl("reference"):
             model(images)

@@ -10,20 +10,23 @@ so the low-rank terms, gates, identity and static matrix of a side merge into on
 matrix. A (stage, side) pair of Compose is a *slot*: `ComposeSlots` says, once per layer,
 where each slot's dynamic weights live, and `ComposeMatrices` carries the four matrices to
 the attention core. A layer builds all its dynamic slots at once from the raw projections
-(`slot_matrices_from_projections`; on CPU one C++ pass, the custom op
-``dcvit::slot_matrices``) and takes each stage's pair with `stage_matrices`; `mix` and
-`mix_fusable` apply a pair to a (B, H, T, S) map. `dcvit.fused` runs the attention core on them.
+(`slot_matrices_from_projections`: `slot_matrices`, the one PyTorch builder, or with the
+``cpp`` core one C++ pass, the custom op ``dcvit::slot_matrices``) and takes each stage's
+pair with `stage_matrices`. `mix` applies a pair to a query-major (..., T, H, S) map, the one
+PyTorch formulation of eager and exported graphs, and `attention_with_matrices` the whole
+attention core with it; `mix_fusable` is the same sum on a head-major map written for
+inductor. `dcvit.fused` runs the attention core on them.
 """
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .kernels import compose_cpu
+from .kernels import compose_cpu  # noqa: F401  (loads the dcvit_cpu operators)
 
 __all__ = ["ComposeSlots", "ComposeMatrices", "compose_stage_macs", "slot_matrices",
            "slot_matrices_from_projections", "stage_matrices", "rms_normalize", "RMS_EPS", "mix",
-           "mix_fusable"]
+           "mix_fusable", "attention_with_matrices"]
 
 
 class ComposeSlots(NamedTuple):
@@ -98,26 +101,30 @@ def identity_diagonal(identity_slots: List[int], num_slots: int, dtype: torch.dt
 
 def slot_matrices(w1: Optional[Tensor], w2: Optional[Tensor], dd: Optional[Tensor],
                   identity_slots: List[int], dtype: torch.dtype) -> Optional[Tensor]:
-    """Every slot's dynamic matrix at once, in a few large ops (each op counts on a busy CPU).
+    """Every slot's dynamic matrix at once, in a few large ops: the one PyTorch builder of the
+    per-token matrices (eager, compiled and exported; the C++ kernel builds the same in one
+    pass, `slot_matrices_from_projections`).
 
     w1, w2 (B, N, G, R, H) and dd (B, N, G, H) from `DynamicWeights` (either may be None)
     -> (B, N, G, H, H): ``sum_r w1[..r, g] w2[..r, h] + diag(dd)``, plus the identity on the
     ``identity_slots`` (the query-side slots, which carry the skip connection); or None.
+    Out of place and with no diagonal op, so that an exported graph holds standard ops only.
     """
+    ref = w1 if w1 is not None else dd
+    if ref is None:
+        return None
+    G, H = ref.shape[2], ref.shape[-1]
     diag: Optional[Tensor] = None if dd is None else dd.to(dtype)            # (B, N, G, H)
     if identity_slots:
-        G = (w1 if w1 is not None else dd).shape[2] if (w1 is not None or dd is not None) else 0
-        if G:
-            eye = identity_diagonal(identity_slots, G, dtype, (w1 if w1 is not None else dd).device)
-            diag = eye if diag is None else diag + eye
+        eye = identity_diagonal(identity_slots, G, dtype, ref.device)        # (G, 1)
+        diag = eye if diag is None else diag + eye
+    m: Optional[Tensor] = None
     if w1 is not None and w2 is not None:
         m = _outer_sum(w1.to(dtype), w2.to(dtype))                           # (B, N, G, H, H)
-        if diag is not None:
-            m.diagonal(dim1=-2, dim2=-1).add_(diag)
+    if diag is None:
         return m
-    if dd is not None and diag is not None:
-        return torch.diag_embed(diag)                                        # (B, N, G, H, H)
-    return None
+    on_diagonal = diag.unsqueeze(-1) * torch.eye(H, dtype=dtype, device=ref.device)  # (.., G, H, H)
+    return on_diagonal if m is None else m + on_diagonal
 
 
 RMS_EPS = 1e-6   # of the RMS norm of w1 over heads (DynamicWeights)
@@ -169,15 +176,16 @@ _slots_op.register_autograd(_slots_grad, setup_context=_slots_setup)
 
 
 def slot_matrices_from_projections(w: Tensor, dd: Optional[Tensor], identity_slots: List[int],
-                                   dtype: torch.dtype) -> Tensor:
+                                   dtype: torch.dtype, cpp: bool = False) -> Tensor:
     """Every slot's dynamic matrix from the raw projections, in ``dtype``; differentiable.
 
     w (B, N, G, 2R, H): ``w1, w2 = w.split(R, -2)`` before the RMS norm of w1; dd (B, N, G, H)
-    or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; on CPU
-    the C++ kernel does it in one pass (one op, ``dcvit::slot_matrices``, instead of a dozen
-    on tiny tensors).
+    or None. Equals ``slot_matrices(rms_normalize(w1), w2, dd, identity_slots, dtype)``; with
+    ``cpp`` (the C++ core runs: CPU tensors, float32/float64, the kernels built) the C++
+    kernel does it in one pass (one op, ``dcvit::slot_matrices``, instead of a dozen on tiny
+    tensors).
     """
-    if w.device.type == "cpu" and dtype in (torch.float32, torch.float64) and compose_cpu.available():
+    if cpp:
         return _slots_op(w.to(dtype).contiguous(), None if dd is None else dd.to(dtype).contiguous(),
                          list(identity_slots))
     w1, w2 = w.split(w.shape[-2] // 2, dim=-2)
@@ -201,19 +209,29 @@ def stage_matrices(slots: Optional[Tensor], q_slot: Optional[int], k_slot: Optio
 
 
 def mix(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
-    """``out[b,h,t,s] = sum_g a[b,g,t,s] (mq[b,t,g,h] + mk[b,s,g,h])`` with batched matmuls.
+    """One Compose stage with its merged matrices, on a query-major map: the one PyTorch
+    formulation of the eager ``compile`` core and of the export core (`dcvit.export_core`).
 
-    a (B, H, T, S); mq (B|1, T|1, H, H); mk (B, S, H, H) or None.
+    ``out[..., t, h, s] = sum_g a[..., t, g, s] (mq[..., t, g, h] + mk[..., s, g, h])``, with
+    a (..., T, H, S) (leading axes: the batch, or none for one sample), mq (..., T|1, H, H),
+    mk (..., S, H, H) or None. Two batched MatMuls: the query side ``mq[t]^T @ a[t]`` (one
+    H×H matrix per query, on (H, S) blocks) and the key side ``a[:, :, s] @ mk[s]`` (per key,
+    on (T, H) blocks of the map moved to (..., S, T, H)). The key side's layout changes are
+    transposes of two axes of a 3-D view, which ONNX Runtime runs fast (a general
+    permutation there is several times slower).
     """
-    B, H, T, S = a.shape
-    out = torch.einsum("bgts,btgh->bhts", a, mq.expand(B, T, H, H))          # (B, H, T, S)
+    *lead, T, H, S = a.shape
+    out = mq.transpose(-1, -2) @ a                                           # (..., T, H, S)
     if mk is not None:
-        out = out + torch.einsum("bgts,bsgh->bhts", a, mk)                   # (B, H, T, S)
+        per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H)
+        per_key = per_key @ mk                                               # (..., S, T, H)
+        out = out + per_key.reshape(*lead, S, T * H).transpose(-1, -2).reshape(*lead, T, H, S)
     return out
 
 
 def mix_fusable(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
-    """`mix` as a sum over input heads of broadcast products: one loop nest for inductor."""
+    """`mix` on a head-major map a (B, H, T, S), as a sum over input heads of broadcast
+    products: what inductor fuses into one loop nest inside ``torch.compile``."""
     H = a.shape[1]
     out = a.new_zeros(())
     for g in range(H):
@@ -222,3 +240,25 @@ def mix_fusable(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
             coef = coef + mk[:, :, g, :].transpose(1, 2).unsqueeze(-2)       # (B, H, T, S)
         out = out + a[:, g:g + 1] * coef                                     # (B, H, T, S)
     return out
+
+
+def attention_with_matrices(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
+                            mats: ComposeMatrices, scale: float = 1.0) -> Tensor:
+    """Scores, both Compose stages (`dcvit.matrices.mix`), softmax and p v on query-major maps
+    (..., T, H, S), so that softmax runs on the last axis: q, k, v (..., H, N, D) (leading
+    axes: the batch, or none for one sample), the matrices of `ComposeMatrices` with the same
+    leading axes, an additive mask broadcastable to (B, H, T, S) -> (..., H, T, D), or the
+    composed weights (..., H, T, S) when ``v`` is None."""
+    a = ((q * scale) @ k.transpose(-2, -1)).transpose(-3, -2)                # (..., T, H, S)
+    for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
+        if mq is not None:
+            a = mix(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
+        if softmax:
+            if mask is not None:
+                m = mask.to(a.dtype)
+                while m.dim() < 4:
+                    m = m.unsqueeze(0)
+                a = a + m.transpose(1, 2)                                    # (B|1, T, H|1, S)
+            a = a.softmax(dim=-1)
+    a = a.transpose(-3, -2)                                                  # (..., H, T, S)
+    return a if v is None else a.to(v.dtype) @ v

@@ -28,7 +28,7 @@ def compose_example(heads: int = 4, tokens: int = 12, dim: int = 32, rank: int =
     """One DCMHA forward; returns the weights before/after post-compose and its dynamic weights."""
     torch.manual_seed(seed)
     layer = dcvit.DCMHA(dim, num_heads=heads, rank=rank).eval()
-    dw = layer.dynamic_weights
+    dw = layer.core.dynamic_weights
     with torch.no_grad():
         # Mixing matrices with entries of order 0.5, and peaked attention (sharper q·k).
         dw.dw1.normal_(0.0, 0.35)
@@ -38,8 +38,8 @@ def compose_example(heads: int = 4, tokens: int = 12, dim: int = 32, rank: int =
     x = torch.randn(1, tokens, dim)                                              # (B, N, C)
     rec = dcvit.attention_maps(layer, x)[0]            # the maps around post_compose
     with torch.no_grad():
-        w1, w2, dd = layer.dynamic_weights(x)
-        weights = layer._slot(w1, w2, dd, *layer.slots.stage("post"))
+        w1, w2, dd = layer.core.dynamic_weights(x)
+        weights = layer.core._slot(w1, w2, dd, *layer.core.slots.stage("post"))
     qw1, qw2, kw1, kw2, qdd, kdd = (w[0] for w in weights)                       # drop batch dim
     return {"a": rec["weights_before"][0], "out": rec["weights_after"][0],       # (H, T, S)
             "qw1": qw1, "qw2": qw2, "kw1": kw1, "kw2": kw2, "qdd": qdd, "kdd": kdd}

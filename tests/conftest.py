@@ -1,7 +1,9 @@
 """Session setup and fixtures shared by every test file.
 
-Without a CUDA device the Triton kernels run in Triton's interpreter on CPU tensors; the
-interpreter must be chosen before triton is first imported (importing dcvit imports it).
+Without a CUDA device the Triton kernels run in Triton's interpreter on CPU tensors: the
+interpreter is chosen before triton is first imported, and the Triton core is registered
+for CPU tensors here (the library registers it for CUDA only). With CUDA the tests run the
+Triton core on CUDA tensors (`attention_cores.device_for`).
 """
 import os
 
@@ -10,6 +12,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from dcvit import fused
+    fused.register_core("cpu", "triton", *fused._CORES[("cuda", "triton")])
 
 
 @pytest.fixture(autouse=True, scope="module")

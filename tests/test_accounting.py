@@ -116,8 +116,8 @@ def test_dcvit_small_params_and_analytic_formula(dcvit_small, vit_small):
     # The overhead rows, one by one, against the formula's terms.
     rows = {row["module"]: row for row in module_table(acc)}
     for name in ("dynamic_weights", "pre_compose", "post_compose"):
-        assert rows[f"blocks.*.attn.{name}"]["macs"] == parts[name] > 0
-    assert rows["blocks.*.attn.dynamic_weights"]["params"] == depth * per_layer
+        assert rows[f"blocks.*.attn.core.{name}"]["macs"] == parts[name] > 0
+    assert rows["blocks.*.attn.core.dynamic_weights"]["params"] == depth * per_layer
     extra = acc.macs / base.macs - 1
     assert 0.03 < extra < 0.04, f"DCViT-S extra MACs {extra:.2%}, docs/spec.md §3 expects about +3-4 %"
     assert analytic_macs(model_base)["total"] == base.macs
@@ -145,7 +145,7 @@ def test_analytic_formula_covers_ablations(options):
     assert acc.macs == parts["total"]
     table = {row["module"]: row["macs"] for row in module_table(acc)}
     for name in ("dynamic_weights", "pre_compose", "post_compose"):
-        assert table.get(f"blocks.*.attn.{name}", 0) == parts[name]
+        assert table.get(f"blocks.*.attn.core.{name}", 0) == parts[name]
 
 
 @pytest.mark.parametrize("name", ["vit_tiny_patch16_224", "dcvit_tiny_patch16_224"])
@@ -169,13 +169,13 @@ def test_module_table_collapses_blocks_and_keeps_overhead_rows():
     model = timm.create_model("dcvit_tiny_patch16_224", **SMALL)
     acc = account(model)
     collapsed = {row["module"]: row for row in module_table(acc, max_depth=2)}
-    assert "blocks.*.attn.dynamic_weights" in collapsed            # deeper than 2, always shown
+    assert "blocks.*.attn.core.dynamic_weights" in collapsed            # deeper than 2, always shown
     assert "blocks.*.attn.qkv" not in collapsed
     full = {row["module"]: row for row in module_table(acc, collapse_blocks=False)}
     for kind in ("dynamic_weights", "pre_compose", "post_compose"):
-        per_block = [full[f"blocks.{i}.attn.{kind}"] for i in range(SMALL["depth"])]
-        assert collapsed[f"blocks.*.attn.{kind}"]["macs"] == sum(r["macs"] for r in per_block)
-        assert collapsed[f"blocks.*.attn.{kind}"]["params"] == sum(r["params"] for r in per_block)
+        per_block = [full[f"blocks.{i}.attn.core.{kind}"] for i in range(SMALL["depth"])]
+        assert collapsed[f"blocks.*.attn.core.{kind}"]["macs"] == sum(r["macs"] for r in per_block)
+        assert collapsed[f"blocks.*.attn.core.{kind}"]["params"] == sum(r["params"] for r in per_block)
     assert collapsed["(total)"]["macs"] == acc.macs == full["(total)"]["macs"]
     top = [r for name, r in full.items() if name != "(total)" and "." not in name]
     assert sum(r["macs"] for r in top) == acc.macs

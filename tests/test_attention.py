@@ -32,7 +32,7 @@ def mixing_matrix(x, params, options, stage, num_heads):
              for sd, on in (("q", options["query_wise"]), ("k", options["key_wise"])) if on and dynamic]
     eye = torch.eye(num_heads, dtype=x.dtype)
     mix = eye.expand(B_, N_, N_, num_heads, num_heads).clone()           # (B, T, S, G, H)
-    prefix = f"{stage}_compose.static"
+    prefix = f"core.{stage}_compose.static"
     if prefix in params:
         mix = mix + params[prefix]
     for slot_index, slot in enumerate(slots):
@@ -41,15 +41,15 @@ def mixing_matrix(x, params, options, stage, num_heads):
             continue
         m = torch.zeros(B_, N_, num_heads, num_heads, dtype=x.dtype)    # (B, token, G, H)
         if options["dynamic_proj"]:
-            dw1 = params["dynamic_weights.dw1"][:, slot_index]             # (C, K)
-            qkw = params["dynamic_weights.qkw"][slot_index]                # (K, 2R, H)
+            dw1 = params["core.dynamic_weights.dw1"][:, slot_index]             # (C, K)
+            qkw = params["core.dynamic_weights.qkw"][slot_index]                # (K, 2R, H)
             hidden = F.gelu(x @ dw1)                                       # (B, N, K)
             w = torch.einsum("bnk,kih->bnih", hidden, qkw)                 # (B, N, 2R, H)
             w1, w2 = w[:, :, :R], w[:, :, R:]
             w1 = w1 / torch.sqrt((w1 ** 2).mean(-1, keepdim=True) + 1e-6)
             m = m + torch.einsum("bnrg,bnrh->bngh", w1, w2)
         if options["dynamic_gate"]:
-            dd_w = params["dynamic_weights.dd_w"].view(C_, len(slots), num_heads)[:, slot_index]
+            dd_w = params["core.dynamic_weights.dd_w"].view(C_, len(slots), num_heads)[:, slot_index]
             m = m + torch.diag_embed(torch.tanh(x @ dd_w))
         mix = mix + (m[:, :, None] if side == "q" else m[:, None, :])
     return mix
@@ -131,11 +131,11 @@ def test_zero_dynamic_weights_is_timm_attention(qkv_bias, qk_norm):
     kw = dict(num_heads=H, qkv_bias=qkv_bias, qk_norm=qk_norm, norm_layer=torch.nn.LayerNorm)
     layer = DCMHA(C, **kw).eval()
     with torch.no_grad():
-        layer.dynamic_weights.qkw.zero_()
-        layer.dynamic_weights.dd_w.zero_()
+        layer.core.dynamic_weights.qkw.zero_()
+        layer.core.dynamic_weights.dd_w.zero_()
     mha = Attention(C, **kw).eval()
     missing, unexpected = mha.load_state_dict(layer.state_dict(), strict=False)
-    assert not missing and all(k.startswith(("dynamic_weights.",)) for k in unexpected)
+    assert not missing and all(k.startswith(("core.dynamic_weights.",)) for k in unexpected)
     x = torch.randn(B, N, C)
     torch.testing.assert_close(layer(x), mha(x), atol=1e-5, rtol=1e-5)
 
@@ -171,8 +171,8 @@ def test_theorem_2_1_pre_compose_is_expanded_qk():
     layer = DCMHA(C, num_heads=H, qkv_bias=True, static_proj=True, dynamic_proj=False,
                   dynamic_gate=False, post_compose=False).double().eval()
     with torch.no_grad():
-        layer.pre_compose.static.copy_(torch.randn(H, H) * 0.7)
-    mix = torch.eye(H, dtype=torch.float64) + layer.pre_compose.static.detach()  # W'[g, h]
+        layer.core.pre_compose.static.copy_(torch.randn(H, H) * 0.7)
+    mix = torch.eye(H, dtype=torch.float64) + layer.core.pre_compose.static.detach()  # W'[g, h]
     w, b, wo, bo = _heads(layer)
     # Head h queries with [W'[0,h] q_0, ..., W'[H-1,h] q_{H-1}] and keys with [k_0, ..., k_{H-1}].
     wq = [torch.cat([mix[g, h] * w[0, g] for g in range(H)]) for h in range(H)]      # (H·D, C)
@@ -189,8 +189,8 @@ def test_theorem_2_2_post_compose_is_expanded_vo():
     layer = DCMHA(C, num_heads=H, qkv_bias=True, static_proj=True, dynamic_proj=False,
                   dynamic_gate=False, pre_compose=False).double().eval()
     with torch.no_grad():
-        layer.post_compose.static.copy_(torch.randn(H, H) * 0.7)
-    mix = torch.eye(H, dtype=torch.float64) + layer.post_compose.static.detach()
+        layer.core.post_compose.static.copy_(torch.randn(H, H) * 0.7)
+    mix = torch.eye(H, dtype=torch.float64) + layer.core.post_compose.static.detach()
     w, b, wo, bo = _heads(layer)
     # Head g keeps its q, k; its value is [W'[g,0] v_0, ..., W'[g,H-1] v_{H-1}] and its output
     # projection is the whole [O_0, ..., O_{H-1}].
@@ -226,7 +226,7 @@ def test_initialisation_follows_spec():
     c, h, r = 384, 6, 2
     k = 4 * h
     layer = DCMHA(c, num_heads=h, rank=r)
-    dw = layer.dynamic_weights
+    dw = layer.core.dynamic_weights
     assert dw.dw1.shape == (c, 4, k) and dw.qkw.shape == (4, k, 2 * r, h) and dw.dd_w.shape == (c, 4 * h)
     assert dw.dw1.std().item() == pytest.approx(math.sqrt(2 / (c + k)), rel=0.05)
     assert dw.qkw.std().item() == pytest.approx(math.sqrt(1 / k) * 2 / (h + r) * 0.01, rel=0.1)
@@ -244,12 +244,12 @@ def test_initialisation_follows_spec():
 ])
 def test_options_shape_the_parameters(options, slots, has_proj, has_gate):
     layer = DCMHA(C, num_heads=H, **options)
-    dw = layer.dynamic_weights
+    dw = layer.core.dynamic_weights
     assert dw.num_slots == slots
     assert (dw.dw1 is not None) == has_proj and (dw.qkw is not None) == has_proj
     assert (dw.dd_w is not None) == has_gate
-    assert (layer.pre_compose is not None) == options.get("pre_compose", True)
-    assert (layer.post_compose is not None) == options.get("post_compose", True)
+    assert (layer.core.pre_compose is not None) == options.get("pre_compose", True)
+    assert (layer.core.post_compose is not None) == options.get("post_compose", True)
     k, r = 4 * H, options.get("rank", 2)
     expected = slots * ((C * k + k * 2 * r * H) * has_proj + C * H * has_gate)
     assert sum(p.numel() for p in dw.parameters()) == expected
@@ -257,9 +257,9 @@ def test_options_shape_the_parameters(options, slots, has_proj, has_gate):
 
 def test_static_proj_starts_at_zero_and_talking_heads_has_no_dynamic_part():
     layer = DCMHA(C, num_heads=H, static_proj=True, dynamic_proj=False, dynamic_gate=False)
-    assert layer.dynamic_weights is None
-    assert torch.equal(layer.pre_compose.static, torch.zeros(H, H))
-    assert torch.equal(layer.post_compose.static, torch.zeros(H, H))
+    assert layer.core.dynamic_weights is None
+    assert torch.equal(layer.core.pre_compose.static, torch.zeros(H, H))
+    assert torch.equal(layer.core.post_compose.static, torch.zeros(H, H))
 
 
 @pytest.mark.parametrize("kwargs,pattern", [
@@ -281,8 +281,8 @@ def test_bad_input_shape_is_explained(shape):
 
 
 def test_unknown_layer_option_is_explained():
-    with pytest.raises(TypeError, match=r"unknown DCMHA option\(s\) \['rnak'\]"), pytest.deprecated_call():
-        dcvit.dcmha_layer(rnak=2)
+    with pytest.raises(TypeError, match=r"unknown DCMHA option\(s\) \['rnak'\]"):
+        DCMHA(C, num_heads=H, rnak=2)
 
 
 def test_attention_maps_before_and_after_compose():
@@ -316,7 +316,7 @@ def test_options_are_one_frozen_record():
     options = DCMHAOptions(rank=1, static_proj=True)
     layer = DCMHA(C, num_heads=H, options=options, query_wise=False)      # keywords over the record
     assert layer.options == DCMHAOptions(rank=1, static_proj=True, query_wise=False)
-    assert layer.dynamic_weights.qkw.shape[2] == 2 and layer.dynamic_weights.num_slots == 2
+    assert layer.core.dynamic_weights.qkw.shape[2] == 2 and layer.core.dynamic_weights.num_slots == 2
     with pytest.raises(FrozenInstanceError):
         layer.options.rank = 3
     with pytest.raises(TypeError, match="static_proj='yes' must be True or False"):

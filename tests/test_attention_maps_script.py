@@ -36,7 +36,7 @@ def _trained_like(**kwargs) -> torch.nn.Module:
     model = timm.create_model("dcvit_tiny", num_classes=10, **{**TINY, **kwargs}).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".dynamic_weights." in name:
+            if ".core.dynamic_weights." in name:
                 p.normal_(0, 0.5)
     return model
 

@@ -2,8 +2,9 @@
 import json
 
 import pytest
+import torch
 
-from dcvit.benchmark import run
+from dcvit.bench.benchmark import run
 
 TINY = ["--model", "dcvit_tiny_patch16_224", "--img-size", "32", "--depth", "1", "--batch-size", "2",
         "--steps", "1", "--warmup", "0", "--no-compile"]
@@ -82,3 +83,26 @@ def test_explain_names_the_core_and_why(tmp_path, capsys):
          "--no-compile", "--modes", "inference", "--impl", "reference", "--json", str(out)])
     assert json.loads(out.read_text())["explain"] == {"eager/fp32/inference": {"core": "reference",
                                                                                "reason": "forced"}}
+
+
+@pytest.mark.parametrize("impl", ["cpp", "sdpa"])
+def test_core_benchmark_prints_the_best_cpu_times(impl, capsys):
+    """``python -m dcvit.bench.core``: the attention core alone, timed with the one timer
+    (`dcvit.bench.timing.time_steps` on CPU time)."""
+    from dcvit.bench import core
+    from dcvit.kernels import compose_cpu
+    if impl == "cpp" and not compose_cpu.available():
+        pytest.skip("C++ kernel not built here")
+    assert core.main(["--impl", impl, "--repeats", "2", "-B", "1", "-N", "9", "--heads", "2", "-D", "8"]) == 0
+    data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert data["impl"] == impl and data["shape"] == {"B": 1, "N": 9, "H": 2, "D": 8}
+    assert data["forward_ms"] >= 0
+
+
+def test_the_timer_reads_the_clock_it_is_given():
+    from dcvit.bench.timing import time_steps
+    ticks = iter(range(100))
+    calls = []
+    times = time_steps(lambda: calls.append(1), torch.device("cpu"), warmup=2, steps=3,
+                       clock=lambda: float(next(ticks)))
+    assert len(calls) == 5 and times == [1.0, 1.0, 1.0]

@@ -18,15 +18,12 @@ from dcvit.attention import DCMHA, DCMHAOptions
 from dcvit.bigvision import BigVisionViT, posemb_sincos_2d
 from dcvit.bigvision_npz import load_bigvision_npz, read_npz
 from dcvit.fused import attention_impl
-from dcvit.kernels import compose_cpu, triton_core
+from attention_cores import CORES, device_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_SIZE = dict(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=4, mlp_ratio=2.0,
                     num_classes=10)
 SMALL = dict(img_size=32, depth=2)
-# Every attention core that runs here (Triton in its interpreter without CUDA, see conftest.py).
-CPU_CORES = (["reference", "compile"] + (["cpp"] if compose_cpu.available() else [])
-             + (["triton"] if triton_core.available() else []))
 BV = ["vit_tiny_patch16_bv_224", "vit_small_patch16_bv_224", "vit_medium_patch16_bv_224",
       "vit_base_patch16_bv_224"]
 DCBV = ["dc" + name for name in BV]
@@ -54,15 +51,16 @@ def test_fixture_is_from_the_authors_commit_and_compose_matters():
     assert float(io["compose_effect"]) > 0.2          # zeroing the dynamic weights moves the logits > 20 %
 
 
-@pytest.mark.parametrize("impl", CPU_CORES)
+@pytest.mark.parametrize("impl", CORES)
 @pytest.mark.parametrize("tag,name", [("dc", "dcvit_small_patch16_bv_224"),
                                       ("vit", "vit_small_patch16_bv_224"),
                                       ("flax", "vit_small_patch16_bv_224")])
 def test_logits_equal_the_authors_flax_model(tag, name, impl):
     x, io = fixture_input()
-    model = fixture_model(tag, name)
+    device = device_for(impl)
+    model = fixture_model(tag, name).to(device)
     with torch.no_grad(), attention_impl(impl):
-        out = model(x).numpy()
+        out = model(x.to(device)).cpu().numpy()
     ref = io[f"logits_{tag}"]
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
 
@@ -71,8 +69,8 @@ def test_dc_fixture_depends_on_every_dc_part():
     """The fixture would catch a wrong static matrix, activation, or q/k norm (> 10x the tolerance)."""
     x, io = fixture_input()
     ref = io["logits_dc"]
-    for change in (lambda m: m.blocks[0].attn.pre_compose.static.data.zero_(),
-                   lambda m: setattr(m.blocks[0].attn.dynamic_weights, "approximate", "none"),
+    for change in (lambda m: m.blocks[0].attn.core.pre_compose.static.data.zero_(),
+                   lambda m: setattr(m.blocks[0].attn.core.dynamic_weights, "approximate", "none"),
                    lambda m: m.blocks[1].attn.k_norm.weight.data.fill_(1.0)):
         model = fixture_model("dc", "dcvit_small_patch16_bv_224")
         change(model)
@@ -133,7 +131,7 @@ def test_initialisation_is_big_visions():
     bound = math.sqrt(6 / (c * h + c * (c // h)))          # flax xavier_uniform of a (C, H, D) kernel
     assert attn.qkv.weight.abs().max() <= bound and attn.qkv.weight.abs().max() > 0.99 * bound
     assert attn.qkv.bias.abs().sum() == 0
-    static = attn.pre_compose.static
+    static = attn.core.pre_compose.static
     assert static.std().item() == pytest.approx(0.1 * math.sqrt(1 / h), rel=0.5)
     assert attn.q_norm.bias is None and attn.q_norm.eps == 1e-6
 
@@ -174,7 +172,7 @@ def test_no_weight_decay_names_parameters_only(name):
             assert getattr(model, pattern, None) is None, pattern
     assert "pos_embed" not in model.no_weight_decay()
     if name.startswith("dcvit"):
-        assert any(fnmatch.fnmatch(n, "*.dynamic_weights.qkw") for n in names)
+        assert any(fnmatch.fnmatch(n, "*.core.dynamic_weights.qkw") for n in names)
 
 
 @pytest.mark.parametrize("name", ["vit_small_patch16_bv_224", "dcvit_small_patch16_bv_224"])
@@ -221,8 +219,8 @@ def test_options_reach_the_layers(name):
     model = timm.create_model(name, static_proj=True, static_init="normal", dynamic_act="gelu_tanh",
                               dynamic_drop=0.3, qk_norm=True, qk_norm_bias=False, **SMALL)
     attn = model.blocks[1].attn
-    assert attn.options.static_init == "normal" and attn.pre_compose.static.abs().sum() > 0
-    assert attn.dynamic_weights.approximate == "tanh" and attn.dynamic_weights.drop.p == 0.3
+    assert attn.options.static_init == "normal" and attn.core.pre_compose.static.abs().sum() > 0
+    assert attn.core.dynamic_weights.approximate == "tanh" and attn.core.dynamic_weights.drop.p == 0.3
     assert attn.q_norm.bias is None and attn.k_norm.weight is not None
 
 
@@ -230,24 +228,24 @@ def test_defaults_of_the_two_families():
     timm_family = timm.create_model("dcvit_small_patch16_224", **SMALL).blocks[0].attn
     bv_family = timm.create_model("dcvit_small_patch16_bv_224", **SMALL).blocks[0].attn
     assert timm_family.options == DCMHAOptions()
-    assert timm_family.pre_compose.static is None and isinstance(timm_family.q_norm, torch.nn.Identity)
+    assert timm_family.core.pre_compose.static is None and isinstance(timm_family.q_norm, torch.nn.Identity)
     assert bv_family.options == DCMHAOptions.of(**{k: v for k, v in dcvit.bigvision.BV_DCMHA_OPTIONS.items()
                                                    if k in DCMHAOptions().as_dict()})
-    assert bv_family.pre_compose.static is not None and bv_family.qkv.bias is not None
+    assert bv_family.core.pre_compose.static is not None and bv_family.qkv.bias is not None
 
 
 def test_static_init_normal_has_the_authors_std():
     torch.manual_seed(0)
     layer = DCMHA(64, num_heads=32, static_proj=True, static_init="normal")
-    w = torch.cat([layer.pre_compose.static.flatten(), layer.post_compose.static.flatten()])
+    w = torch.cat([layer.core.pre_compose.static.flatten(), layer.core.post_compose.static.flatten()])
     assert w.std().item() == pytest.approx(0.1 * math.sqrt(1 / 32), rel=0.06)
-    assert DCMHA(64, num_heads=32, static_proj=True).pre_compose.static.abs().sum() == 0
+    assert DCMHA(64, num_heads=32, static_proj=True).core.pre_compose.static.abs().sum() == 0
 
 
 def test_dynamic_act_gelu_tanh_is_the_tanh_formula():
     torch.manual_seed(0)
     layer = DCMHA(16, num_heads=4, dynamic_act="gelu_tanh", dynamic_gate=False).double()
-    dw = layer.dynamic_weights
+    dw = layer.core.dynamic_weights
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     u = torch.einsum("bnc,cgk->bngk", x, dw.dw1)
     hidden = 0.5 * u * (1 + torch.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u ** 3)))
@@ -262,10 +260,10 @@ def test_dynamic_drop_drops_in_training_only():
     torch.manual_seed(0)
     layer = DCMHA(16, num_heads=4, dynamic_drop=0.5)
     x = torch.randn(2, 5, 16)
-    _, _, dd = layer.dynamic_weights(x)
+    _, _, dd = layer.core.dynamic_weights(x)
     assert (dd == 0).float().mean() > 0.3
     layer.eval()
-    _, _, dd = layer.dynamic_weights(x)
+    _, _, dd = layer.core.dynamic_weights(x)
     assert (dd != 0).all()
 
 

@@ -111,7 +111,7 @@ def test_identity_conversion_trains_like_the_original(family):
             g = grads[name].grad
             assert (p.grad - g).abs().max() <= 1e-5 * g.abs().max() + 1e-12, name
     for name in converted_layers(converted):
-        dw = converted.get_submodule(name).dynamic_weights
+        dw = converted.get_submodule(name).core.dynamic_weights
         assert dw.qkw.grad[:, :, dw.rank:].abs().sum() > 0
         assert dw.dd_w.grad.abs().sum() > 0
 
@@ -139,7 +139,7 @@ def test_fx_traced_converted_model_is_bit_equal_to_eager(family):
     assert layers and all(isinstance(model.get_submodule(n), LAYER_TYPE[family]) for n in layers)
     assert select_impl("auto", x)[0] != "reference"                   # eager runs a fast core here
     graph = symbolic_trace(model)
-    cores = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ == "_eager_core"]
+    cores = [n for n in graph.graph.nodes if n.op == "call_function" and n.target.__name__ == "run_core"]
     assert len(cores) == len(layers)
     out, grads = _output_and_grads(model, x)
     fx_out, fx_grads = _output_and_grads(graph, x)
@@ -159,11 +159,11 @@ def test_identity_and_paper_initialisations():
     model = build("vit")
     ident = dcvit.convert(copy.deepcopy(model), init="identity").blocks[0].attn
     paper = dcvit.convert(copy.deepcopy(model), init="paper").blocks[0].attn
-    r = ident.dynamic_weights.rank
-    assert torch.count_nonzero(ident.dynamic_weights.qkw[:, :, r:]) == 0
-    assert torch.count_nonzero(ident.dynamic_weights.dd_w) == 0
-    assert torch.count_nonzero(ident.dynamic_weights.qkw[:, :, :r]) > 0   # first factor: gradients flow
-    for dw in (paper.dynamic_weights,):
+    r = ident.core.dynamic_weights.rank
+    assert torch.count_nonzero(ident.core.dynamic_weights.qkw[:, :, r:]) == 0
+    assert torch.count_nonzero(ident.core.dynamic_weights.dd_w) == 0
+    assert torch.count_nonzero(ident.core.dynamic_weights.qkw[:, :, :r]) > 0   # first factor: gradients flow
+    for dw in (paper.core.dynamic_weights,):
         c, h, k = dw.dim, dw.num_heads, dw.hidden_dim
         assert dw.dd_w.std().item() == pytest.approx((2.0 / (c + h)) ** 0.5 * 0.005, rel=0.3)
         assert dw.qkw.std().item() == pytest.approx((1.0 / k) ** 0.5 * 2.0 / (h + r) * 0.01, rel=0.3)
@@ -178,8 +178,8 @@ def test_options_and_layers_reach_the_layers():
     model = dcvit.convert(build("vit"), layers=[-1], rank=1, pre_compose=False, static_proj=True)
     assert isinstance(model.blocks[0].attn, timm.layers.Attention)
     attn = model.blocks[1].attn
-    assert isinstance(attn, DCMHA) and attn.pre_compose is None
-    assert attn.options.rank == 1 and attn.post_compose.static is not None
+    assert isinstance(attn, DCMHA) and attn.core.pre_compose is None
+    assert attn.options.rank == 1 and attn.core.post_compose.static is not None
     swin = dcvit.convert(build("swin"), layers=[1, 2])
     assert converted_layers(swin) == ["layers.0.blocks.1.attn", "layers.1.blocks.0.attn"]
 
@@ -226,7 +226,7 @@ def test_state_dict_and_pickle_round_trip(family):
     # The original's state dict loads with exactly the DCMHA tensors missing.
     result = fresh.load_state_dict(original.state_dict(), strict=False)
     assert not result.unexpected_keys
-    assert result.missing_keys and all(any(f".{p}." in k for p in dcvit.conversion.DCMHA_STATE_PARTS)
+    assert result.missing_keys and all(any(f".{p}." in k for p in dcvit.core.DCMHA_PARTS)
                                        for k in result.missing_keys)
 
 
@@ -234,7 +234,7 @@ def test_converted_layers_keep_device_dtype_and_mode():
     model = build("eva02").to(torch.float64).train()
     dcvit.convert(model)
     attn = model.blocks[0].attn
-    assert attn.training and attn.dynamic_weights.dw1.dtype == torch.float64
+    assert attn.training and attn.core.dynamic_weights.dw1.dtype == torch.float64
 
 
 def test_the_replaced_module_is_left_intact():

@@ -150,7 +150,7 @@ def test_dcvit_bench_onnx_exports_both_formulations_and_times_them(tmp_path):
     """`dcvit-bench --onnx --onnx-before` on a one-block model: the DCViT file holds no
     Einsum, the reference one does, and every batch gets its medians and ratios."""
     import json
-    from dcvit import benchmark
+    from dcvit.bench import benchmark
     path = tmp_path / "onnx.json"
     benchmark.run(["--onnx", "--onnx-before", "--depth", "1", "--img-size", "32", "--steps", "1",
                    "--onnx-batches", "1,3", "--json", str(path)])
@@ -171,11 +171,11 @@ def test_exported_models_are_timed_in_turn_each_after_the_settle_pause(monkeypat
     one session's spinning threads do not run into the other's timing; a figure carries the
     median and best-run ratios."""
     import time
-    from dcvit import export_bench
+    from dcvit.bench import export as export_bench
     monkeypatch.setattr(export_bench, "SETTLE_S", 0.02)
     calls = []
     runs = {name: (lambda name=name: calls.append((name, time.perf_counter()))) for name in ("vit", "dcvit")}
-    timed = export_bench._time_alternately(runs, warmup=1, steps=4)
+    timed = export_bench._timed(runs, warmup=1, steps=4)
     calls = calls[2:]                                                 # after the warm-up
     assert [n for n, _ in calls] == ["vit", "dcvit", "dcvit", "vit"] * 2
     assert min(b - a for (_, a), (_, b) in zip(calls, calls[1:])) >= 0.02
@@ -186,6 +186,6 @@ def test_exported_models_are_timed_in_turn_each_after_the_settle_pause(monkeypat
 
 
 def test_dcvit_bench_rejects_bad_onnx_batches():
-    from dcvit import benchmark
+    from dcvit.bench import benchmark
     with pytest.raises(SystemExit, match="--onnx-batches"):
         benchmark.run(["--onnx", "--onnx-batches", "1,x"])

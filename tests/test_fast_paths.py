@@ -41,10 +41,10 @@ def _layer(dim=24, heads=3, dtype=torch.float64, seed=0, std=0.3, **options):
     torch.manual_seed(seed)
     layer = dcvit.DCMHA(dim, heads, qkv_bias=True, **options).to(dtype)
     with torch.no_grad():
-        if layer.dynamic_weights is not None:
-            for p in layer.dynamic_weights.parameters():
+        if layer.core.dynamic_weights is not None:
+            for p in layer.core.dynamic_weights.parameters():
                 p.normal_(0, std)
-        for stage in (layer.pre_compose, layer.post_compose):
+        for stage in (layer.core.pre_compose, layer.core.post_compose):
             if stage is not None and stage.static is not None:
                 stage.static.normal_(0, std)
     return layer
@@ -107,7 +107,10 @@ def test_merged_matrices_equal_compose(rank, branches):
     mq, mk = compose_matrices(H, args["qw1"], args["qw2"], args["kw1"], args["kw2"], args["qdd"],
                               args["kdd"], args["static"], torch.float64)
     expected = compose(a, **args)
-    torch.testing.assert_close(mix(a, mq, mk), expected, atol=1e-12, rtol=0)
+    query_major = mix(a.transpose(1, 2), mq, mk).transpose(1, 2)             # mix: (B, T, H, S)
+    torch.testing.assert_close(query_major, expected, atol=1e-12, rtol=0)
+    one_sample = mix(a[1].transpose(0, 1), mq[min(1, mq.shape[0] - 1)], None if mk is None else mk[1])
+    torch.testing.assert_close(one_sample.transpose(0, 1), expected[1], atol=1e-12, rtol=0)
     torch.testing.assert_close(matrices.mix_fusable(a, mq, mk), expected, atol=1e-12, rtol=0)
 
 
@@ -122,13 +125,13 @@ def test_compose_slots_follow_the_options(options, slots):
     """One ComposeSlots per layer: the slot of each (stage, side) on the dynamic weights' axis,
     and the plain fields the forward reads, taken from it once at construction."""
     layer = dcvit.DCMHA(24, 3, **options)
-    assert tuple(layer.slots) == slots
-    count = 0 if layer.dynamic_weights is None else layer.dynamic_weights.num_slots
-    assert layer.slots.count == count == sum(s is not None for s in slots)
-    assert layer.slots.stage("post") == slots[2:]
-    assert layer.slots.query_slots == [s for s in (slots[0], slots[2]) if s is not None]
-    assert (layer.pre_slots, layer.post_slots) == (slots[:2], slots[2:])
-    assert layer.identity_slots == layer.slots.query_slots
+    assert tuple(layer.core.slots) == slots
+    count = 0 if layer.core.dynamic_weights is None else layer.core.dynamic_weights.num_slots
+    assert layer.core.slots.count == count == sum(s is not None for s in slots)
+    assert layer.core.slots.stage("post") == slots[2:]
+    assert layer.core.slots.query_slots == [s for s in (slots[0], slots[2]) if s is not None]
+    assert (layer.core.pre_slots, layer.core.post_slots) == (slots[:2], slots[2:])
+    assert layer.core.identity_slots == layer.core.slots.query_slots
 
 
 # ------------------------------------------------------------------- layer vs reference
@@ -233,13 +236,13 @@ def test_cpp_slot_matrices_equal_formula(rank, with_gate):
     want = want + torch.stack([eye * (g_ in identity) for g_ in range(G)]).view(1, 1, G, H, H)
     if dd is not None:
         want = want + torch.diag_embed(dd)
-    got = matrices.slot_matrices_from_projections(w, dd, identity, torch.float64)
+    got = matrices.slot_matrices_from_projections(w, dd, identity, torch.float64, cpp=True)
     assert "dcvit_slot_matrices" in type(got.grad_fn).__name__                  # the C++ op ran
     torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
     inputs = (w, dd) if dd is not None else (w,)
     assert torch.autograd.gradcheck(
         lambda *a: matrices.slot_matrices_from_projections(a[0], a[1] if len(a) > 1 else None, identity,
-                                                        torch.float64), inputs)
+                                                        torch.float64, cpp=True), inputs)
 
 
 @pytest.mark.skipif(not HAS_CPP, reason="C++ kernel not built here")
@@ -370,9 +373,9 @@ def test_auto_dispatch_and_forcing():
     with pytest.raises(ValueError, match="unknown DCMHA attention implementation 'fast'"):
         with attention_impl("fast"):
             pass
-    with pytest.raises(ValueError, match="'torch' was removed: 'compile' is the plain-PyTorch core"):
+    with pytest.raises(ValueError, match="unknown DCMHA attention implementation 'torch'; choose one of"):
         fused.select_impl("torch", x)
-    layer.attn_impl = "nope"
+    layer.core.attn_impl = "nope"
     with pytest.raises(ValueError, match="'nope'"):
         layer(torch.randn(1, 5, 24))
 
@@ -536,7 +539,7 @@ def test_attention_maps_use_reference_core():
                               num_classes=0)
     for m in model.modules():
         if isinstance(m, dcvit.DCMHA):
-            m.attn_impl = "compile"
+            m.core.attn_impl = "compile"
     maps = dcvit.attention_maps(model, torch.randn(1, 3, 32, 32))
     assert len(maps) == 2 and maps[0]["scores_before"].shape == (1, 3, 5, 5)
     assert maps[0]["weights_after"].shape == (1, 3, 5, 5)
@@ -646,7 +649,7 @@ def test_jit_trace_ignores_a_forced_fast_core(forced):
     layer = dcvit.DCMHA(12, 3).eval()
     x = torch.randn(1, 5, 12)
     if forced == "layer":
-        layer.attn_impl = "compile"
+        layer.core.attn_impl = "compile"
         traced = torch.jit.trace(layer, x, check_trace=False)
     else:
         with attention_impl("compile"):

@@ -72,8 +72,8 @@ def test_report_reads_steps_figures_and_runs(tmp_path, capsys):
 
 def test_a_skipped_step_is_no_failure_and_the_targets_are_the_benchmarks(tmp_path):
     """Only failures and timeouts fail the check; the summary's targets (written out so that
-    it needs no torch) are dcvit.benchmark's."""
-    from dcvit.benchmark import TARGETS
+    it needs no torch) are dcvit.bench's."""
+    from dcvit.bench import TARGETS
     module = _report_module()
     assert module.TARGETS == TARGETS
     (tmp_path / "steps.json").write_text(json.dumps({"steps": [

@@ -31,7 +31,7 @@ def offending(source_pkg: str, target_pkg: str):
 
 def test_the_graph_is_read_from_the_source():
     pairs = {(e.source, e.target) for e in EDGES}
-    assert ("dcvit.attention", "dcvit.functional") in pairs and ("train_imagenet.data.shards", "dcvit.schema") in pairs
+    assert ("dcvit.core", "dcvit.functional") in pairs and ("train_imagenet.data.shards", "dcvit.schema") in pairs
     assert ("dcvit", "dcvit.models") in pairs                  # import dcvit registers the models
     deferred = {(e.source, e.target) for e in EDGES if e.deferred}
     assert ("dcvit.models", "dcvit.attention") in deferred     # the layer loads with the first model
@@ -55,13 +55,20 @@ def test_dcvit_never_imports_the_trainer():
     assert offending("dcvit", "train_imagenet") == []
 
 
+def test_the_model_code_never_imports_the_measurement_tools():
+    """dcvit.bench (and the report, which times too) import the model code, never the reverse."""
+    measuring = ("dcvit.bench", "dcvit.report")
+    assert [e for e in EDGES if within(e.target, "dcvit.bench")
+            and not any(within(e.source, m) for m in measuring)] == []
+
+
 def test_kernels_import_no_other_dcvit_module():
     """Kernels sit behind the dispatcher (dcvit.fused) and never import it or anything above."""
     bad = [e for e in EDGES if within(e.source, "dcvit.kernels") and not within(e.target, "dcvit.kernels")]
     assert bad == []
 
 
-@pytest.mark.parametrize("leaf", ["dcvit.functional", "dcvit.io", "dcvit.schema", "dcvit.timing", "dcvit.cli",
+@pytest.mark.parametrize("leaf", ["dcvit.functional", "dcvit.io", "dcvit.schema", "dcvit.bench.timing", "dcvit.cli",
                                   "train_imagenet.config", "train_imagenet.distributed",
                                   "train_imagenet.metrics", "train_imagenet.logs"])
 def test_the_bottom_of_each_stack_imports_nothing_of_the_project(leaf):

@@ -55,8 +55,5 @@ def test_public_names_are_the_readme_table_and_old_names_warn():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             getattr(dcvit, name)
-    for name, module in dcvit._DEPRECATED.items():
-        with pytest.deprecated_call(match=f"use dcvit.{module}.{name}"):
-            getattr(dcvit, name)
     with pytest.raises(AttributeError, match="import dcvit.nope"):
         dcvit.nope

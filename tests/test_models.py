@@ -68,7 +68,7 @@ def test_create_model_kwargs_reach_the_model():
     attn = model.blocks[0].attn
     assert isinstance(attn, DCMHA)
     assert attn.options.rank == 1 and attn.options.query_wise is False
-    assert attn.dynamic_weights.num_slots == 2 and attn.dynamic_weights.qkw.shape[2] == 2
+    assert attn.core.dynamic_weights.num_slots == 2 and attn.core.dynamic_weights.qkw.shape[2] == 2
     assert model.blocks[2].drop_path1.drop_prob == pytest.approx(0.1)
     out = model(torch.randn(1, 3, 48, 80))  # dynamic image size
     assert out.shape == (1, 10)
@@ -168,7 +168,7 @@ def test_bfloat16_autocast_forward_backward():
         out = model(torch.randn(2, 3, 32, 32))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     out.float().mean().backward()
-    assert model.blocks[0].attn.dynamic_weights.dw1.grad is not None
+    assert model.blocks[0].attn.core.dynamic_weights.dw1.grad is not None
 
 
 # --- checkpoints -----------------------------------------------------------------------------
@@ -185,11 +185,11 @@ def test_vit_checkpoint_loads_into_dcvit(tmp_path, caplog, fmt):
     with caplog.at_level(logging.WARNING, logger="dcvit"):
         model = timm.create_model("dcvit_tiny", pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **SMALL)
     assert "36 DCMHA tensors keep their initialisation" in caplog.text
-    assert "blocks.11.attn.dynamic_weights.dd_w" in caplog.text
+    assert "blocks.11.attn.core.dynamic_weights.dd_w" in caplog.text
     torch.testing.assert_close(model.blocks[3].attn.qkv.weight, vit.blocks[3].attn.qkv.weight)
     torch.testing.assert_close(model.head.weight, vit.head.weight)
     # The DCMHA tensors are initialised as docs/spec.md §1.2 says (not zeros, not timm's 0.02 Linear init).
-    dw1 = model.blocks[0].attn.dynamic_weights.dw1
+    dw1 = model.blocks[0].attn.core.dynamic_weights.dw1
     assert dw1.std().item() == pytest.approx((2 / (192 + 12)) ** 0.5, rel=0.1)
     # And the same load through dcvit.load_weights.
     model2 = dcvit.load_weights(timm.create_model("dcvit_tiny", **SMALL), path)

@@ -59,17 +59,6 @@ def test_options_survive_pickling(options):
             assert [type(b.attn).__name__ for b in copy.blocks] == [type(b.attn).__name__ for b in model.blocks]
 
 
-def test_layers_built_by_deprecated_dcmha_layer_are_plain_dcmha():
-    with pytest.deprecated_call():
-        cls = dcvit.dcmha_layer(rank=3)
-    layer = cls(24, num_heads=4)
-    assert type(layer) is DCMHA and layer.options.rank == 3
-    assert cls(24, num_heads=4, rank=1).options.rank == 1        # call-site arguments win
-    copy = pickle.loads(pickle.dumps(layer))
-    x = torch.randn(2, 5, 24)
-    assert torch.equal(copy(x), layer(x)) and copy.options == layer.options
-
-
 def test_pickled_model_trains_on():
     """A loaded copy is a working module: backward reaches every parameter."""
     model = pickle.loads(pickle.dumps(timm.create_model("dcvit_tiny", **SMALL)))

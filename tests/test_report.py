@@ -47,7 +47,7 @@ def test_report_writes_four_valid_files(tmp_path, capsys):
     # Quoted numbers live apart from the measured rows.
     assert [q["top1"] for q in data["quoted"]] == [q["top1"] for q in QUOTED]
     assert all(q["kind"] == "quoted" for q in data["quoted"])
-    assert any(r["module"] == "blocks.*.attn.dynamic_weights"
+    assert any(r["module"] == "blocks.*.attn.core.dynamic_weights"
                for r in data["modules"]["dcvit_tiny_patch16_224(depth=2, img_size=32, patch_size=8)"])
 
     with open(out / "report.csv", newline="") as f:

@@ -8,6 +8,7 @@ import timm
 import torch
 
 import dcvit
+import dcvit.weights
 from train_imagenet.__main__ import build_model, main
 from train_imagenet.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, load_model_weights
 from train_imagenet.config import load_config
@@ -57,7 +58,7 @@ def test_converted_model_evaluates_as_the_pretrained_one(data, pretrained, tmp_p
     plain, dc = _json(tmp_path / "plain" / "eval.json"), _json(tmp_path / "dc" / "eval.json")
     assert dc["top1"] == plain["top1"] and dc["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     assert plain["convert"] is None and dc["convert"] == {"layers": None, "options": {"rank": 1}}
-    assert "6 DCMHA tensors keep their initialisation: blocks.0.attn.dynamic_weights.dw1" in caplog.text
+    assert "6 DCMHA tensors keep their initialisation: blocks.0.attn.core.dynamic_weights.dw1" in caplog.text
 
 
 def test_fine_tune_from_pretrained_file_then_eval_and_resume(data, pretrained, tmp_path, capsys):
@@ -69,7 +70,7 @@ def test_fine_tune_from_pretrained_file_then_eval_and_resume(data, pretrained, t
     groups = state["optimizer"]["param_groups"]
     dc = [g for g in groups if g.get("lr_scale") == 10]
     assert len(dc) == 1 and dc[0]["weight_decay"] == 0
-    assert any(k.endswith("attn.dynamic_weights.qkw") for k in state["model"])
+    assert any(k.endswith("attn.core.dynamic_weights.qkw") for k in state["model"])
     # Evaluating the converted run's checkpoint needs no convert.* settings: the checkpoint has them.
     assert _run(data, tmp_path / "ev", "--eval-only", f"checkpoint={list_checkpoints(str(run))[-1]}") == 0
     assert _json(tmp_path / "ev" / "eval.json")["top1"] == _json(run / "eval.json")["top1"]
@@ -83,7 +84,7 @@ def test_pretrained_file_loads_into_the_model_before_conversion(pretrained):
     _, weights = pretrained
     cfg = load_config(None, TINY + [f"pretrained={weights}"])
     model = build_model(cfg)
-    expected = dcvit.read_state_dict(weights)
+    expected = dcvit.weights.read_state_dict(weights)
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
     assert "state_dict" not in model.pretrained_cfg
 

@@ -279,9 +279,9 @@ def test_dcmha_layer_triton_equals_reference(options):
     torch.manual_seed(0)
     layer = dcvit.DCMHA(24, 3, qkv_bias=True, **options).to(DEVICE)
     with torch.no_grad():
-        for p in layer.dynamic_weights.parameters():
+        for p in layer.core.dynamic_weights.parameters():
             p.normal_(0, 0.3)
-        for stage in (layer.pre_compose, layer.post_compose):
+        for stage in (layer.core.pre_compose, layer.core.post_compose):
             if stage is not None and stage.static is not None:
                 stage.static.normal_(0, 0.3)
     x = torch.randn(2, 9, 24, device=DEVICE)
@@ -416,21 +416,6 @@ def test_self_check_failure_warns_once_and_declines(monkeypatch, failure):
         assert not triton_core.works_on(q)
 
 
-def test_cuda_choice_follows_figures_then_the_check(monkeypatch):
-    """On a GPU without figures: triton when its check passes, else compile; with figures
-    for the GPU: the measured core."""
-    from dcvit import fused
-    q = torch.zeros(1, 3, 4, 8)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(triton_core, "works_on", lambda x: True)
-    assert fused._cuda_measured(q, "eager") is None
-    monkeypatch.setattr(fused, "CUDA_MEASURED", {"H100": {"eager": "compile", "compile": "triton"}})
-    assert fused._cuda_measured(q, "eager") == "compile"
-    assert fused._cuda_measured(q, "compile") == "triton"
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
-    assert fused._cuda_measured(q, "eager") is None
-
-
 def test_forced_triton_core_refuses_what_it_cannot_take():
     """A forced Triton core is an error, with the reason, where its kernels cannot run."""
     from dcvit import fused
@@ -498,7 +483,7 @@ def test_torch_compile_keeps_the_triton_op():
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = dcvit.DCMHA(24, 3).to(DEVICE)
-    layer.attn_impl = "triton"
+    layer.core.attn_impl = "triton"
     x = torch.randn(2, 9, 24, device=DEVICE)
     runs = []
     for fn in (layer, torch.compile(layer, fullgraph=True)):

@@ -9,7 +9,7 @@ One module per job, in the order data flows:
 
 * `model_spec` — which model is counted, with which options, against which baseline;
 * `results` — reading ``eval.json``; `quoted` — the papers' numbers;
-* `speed` — throughput on the model's device, paired with its baseline (`dcvit.timing`);
+* `speed` — throughput on the model's device, paired with its baseline (`dcvit.bench.timing`);
 * `measure` — the rows: accounting, accuracy and throughput columns, and how they were measured;
 * `render` — ``report.md`` (a list of sections), ``.csv``, ``.json``; `plot` — ``report.png``;
 * `cli` — the command line (``dcvit-report``, ``python -m dcvit.report``).

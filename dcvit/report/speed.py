@@ -1,6 +1,6 @@
 """Throughput of a model, alone or against its baseline (docs/spec.md §5), on the model's device.
 
-Both use `dcvit.timing`, the timers of ``dcvit-bench``: eval forwards on one fixed random
+Both use `dcvit.bench.timing`, the timer of ``dcvit-bench``: eval forwards on one fixed random
 batch, the median of ``steps`` timed forwards after ``warmup`` untimed ones; a pair is timed
 alternately in one process.
 """
@@ -10,7 +10,7 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
-from ..timing import time_pair, time_steps
+from ..bench.timing import time_pair, time_steps
 
 __all__ = ["measure_throughput", "measure_pair", "device_of"]
 
@@ -41,7 +41,7 @@ def measure_throughput(model: nn.Module, input_shape: Sequence[int], batch_size:
 @torch.inference_mode()
 def measure_pair(model: nn.Module, baseline: nn.Module, input_shape: Sequence[int], batch_size: int = 8,
                  steps: int = 5, warmup: int = 2, device: Optional[torch.device] = None) -> Dict[str, float]:
-    """``model`` against ``baseline``: eval forwards timed alternately (`dcvit.timing.time_pair`),
+    """``model`` against ``baseline``: eval forwards timed alternately (`dcvit.bench.timing.time_pair`),
     same batch, threads and device (default: ``model``'s).
 
     Returns ``img_s`` and ``baseline_img_s`` (from the median step times) and ``ratio`` =

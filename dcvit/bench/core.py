@@ -1,5 +1,5 @@
 """Time DCMHA's attention core alone, robust to a busy machine: one thread,
-``time.process_time``, the minimum over many repeats.
+``time.process_time``, the minimum over many repeats (`dcvit.bench.timing.time_steps`).
 
 q, k, v are views of one (B, N, 3, H, D) projection (as in the layer), both Compose stages
 have query- and key-wise matrices; the core runs through its custom op,
@@ -7,7 +7,7 @@ have query- and key-wise matrices; the core runs through its custom op,
 (``torch.nn.functional.scaled_dot_product_attention``, what timm's ViT runs) for comparison.
 Usage::
 
-    python scripts/bench_core.py [--impl cpp|sdpa] [--threads 1] [--repeats 15] [-B 16] [-N 197] [--heads 6] [-D 64]
+    python -m dcvit.bench.core [--impl cpp|sdpa] [--threads 1] [--repeats 15] [-B 16] [-N 197] [--heads 6] [-D 64]
 """
 import argparse
 import json
@@ -16,6 +16,8 @@ import time
 import torch
 
 import dcvit.fused  # noqa: F401  (registers the dcvit:: custom ops)
+
+from .timing import time_steps
 
 
 def main(argv=None) -> int:
@@ -48,13 +50,7 @@ def main(argv=None) -> int:
         torch.autograd.grad(forward(), [qkv] + ([] if args.impl == "sdpa" else mats), up)
 
     def best(fn) -> float:
-        fn()
-        fn()
-        times = []
-        for _ in range(args.repeats):
-            t = time.process_time()
-            fn()
-            times.append(time.process_time() - t)
+        times = time_steps(fn, torch.device("cpu"), warmup=2, steps=args.repeats, clock=time.process_time)
         return round(min(times) * 1e3, 2)
 
     with torch.no_grad():

@@ -1,6 +1,6 @@
 """DCViT against its ViT baseline, side by side: throughput ratios and peak-memory ratios.
 
-Usage (installed as ``dcvit-bench``; ``python scripts/benchmark.py`` is the same)::
+Usage (installed as ``dcvit-bench``; ``python -m dcvit.bench`` is the same)::
 
     dcvit-bench                                   # DCViT-S/16 vs ViT-S/16, the issue's table
     dcvit-bench --dtypes fp32,bf16 --no-compile   # sub-selections
@@ -24,7 +24,7 @@ model (peak RSS on CPU, ``torch.cuda.max_memory_allocated`` on CUDA) over traini
 those options) against ``--model`` itself. ``--layer`` times one DCMHA layer (its automatic
 fast core) against the plain formulation of docs/spec.md §1.1 (the ``reference`` core) and timm's ``Attention`` (SDPA).
 ``--onnx`` exports DCViT and its baseline and times them in ONNX Runtime instead, ``--aoti``
-compiles them with AOTInductor (`dcvit.export_bench`; ``--threads`` threads, default 2;
+compiles them with AOTInductor (`dcvit.bench.export`; ``--threads`` threads, default 2;
 batches ``--onnx-batches``; ``--onnx-before`` adds DCViT exported with the paper's
 formulation, ``--aoti-cpp`` DCViT with the C++ core kept as a custom op).
 Results go to stdout as a table and to ``--json`` (written atomically).
@@ -39,10 +39,10 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from .io import write_json
+from ..io import write_json
 from .timing import sync as _sync, time_pair
 
-__all__ = ["main", "run", "time_pair", "TARGETS"]
+__all__ = ["main", "run", "TARGETS"]
 
 # Targets of the performance issue: (figure key prefix, comparison, bound).
 TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.20)}
@@ -52,6 +52,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _build(name: str, args: argparse.Namespace, device: torch.device, convert: bool = False) -> torch.nn.Module:
     import timm
     import dcvit  # (registers the DCViT models)
+    from ..core import DCMHACore
     kwargs: Dict[str, Any] = dict(img_size=args.img_size)
     if args.depth:
         kwargs["depth"] = args.depth
@@ -62,7 +63,7 @@ def _build(name: str, args: argparse.Namespace, device: torch.device, convert: b
     model = model.to(device)
     if args.impl != "auto":
         for m in model.modules():
-            if hasattr(m, "attn_impl"):
+            if isinstance(m, DCMHACore):
                 m.attn_impl = args.impl
     return model
 
@@ -95,7 +96,7 @@ def _step_fn(model: torch.nn.Module, mode: str, dtype: torch.dtype, device: torc
 
 
 def _convert_options(args: argparse.Namespace) -> Dict[str, Any]:
-    from .cli import parse_kwargs
+    from ..cli import parse_kwargs
     return parse_kwargs(args.convert or [], flag="--convert")
 
 
@@ -119,7 +120,7 @@ def _memory_child(args: argparse.Namespace) -> None:
 
 
 def _memory(name: str, args: argparse.Namespace, dtype: str, backend: str, convert: bool = False) -> int:
-    cmd = [sys.executable, "-m", "dcvit.benchmark", "--memory-child", name, "--device", args.device,
+    cmd = [sys.executable, "-m", "dcvit.bench", "--memory-child", name, "--device", args.device,
            "--mem-batch-size", str(args.mem_batch_size), "--img-size", str(args.img_size),
            "--dtypes", dtype, "--threads", str(args.threads), "--impl", args.impl]
     if convert:
@@ -182,16 +183,18 @@ def _explain(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
     """The core `dcvit.fused.select_impl` picks for the first DCMHA layer of ``--model`` (one
     sample), and its reason, per backend, dtype and mode: the layer runs once each way
     (compiled by dynamo alone, ``backend="eager"``, which runs the same choice)."""
-    from . import attention
+    from .. import core as dcmha_core
+    from ..conversion import converted_layers
     model = _build(args.model, args, device, args.convert is not None).eval()
-    name, layer = next((n, m) for n, m in model.named_modules() if hasattr(m, "attn_impl"))
+    name = converted_layers(model)[0]
+    layer = model.get_submodule(name)
     seen = []
     hook = layer.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach()[:1]))
     with torch.no_grad():
         model(torch.zeros(1, 3, args.img_size, args.img_size, device=device))
     hook.remove()
     x = seen[0]
-    choose = attention.select_impl
+    choose = dcmha_core.select_impl
     rows: Dict[str, Dict[str, str]] = {}
     backends = ([] if args.compile_only else ["eager"]) + ([] if args.no_compile else ["compile"])
     try:
@@ -203,7 +206,7 @@ def _explain(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
                     def record(*a: Any, **k: Any) -> Any:
                         picked.append(choose(*a, **k))
                         return picked[-1]
-                    attention.select_impl = record
+                    dcmha_core.select_impl = record
                     layer.train(mode == "train")
                     torch._dynamo.reset()
                     run = torch.compile(layer, backend="eager", fullgraph=True) if backend == "compile" else layer
@@ -213,7 +216,7 @@ def _explain(args: argparse.Namespace, device: torch.device) -> Dict[str, Any]:
                     core, reason = picked[0]
                     rows[f"{backend}/{dname}/{mode}"] = {"core": core, "reason": reason}
     finally:
-        attention.select_impl = choose
+        dcmha_core.select_impl = choose
     print(f"{args.model}: attention core of {name} ({type(layer).__name__}, {layer.num_heads} heads, "
           f"{tuple(x.shape[1:])} per sample) on {device}")
     for key, r in rows.items():
@@ -259,8 +262,8 @@ def _model_bench(args: argparse.Namespace, device: torch.device) -> Dict[str, An
 
 
 def _export_bench(args: argparse.Namespace) -> Dict[str, Any]:
-    """``--onnx`` / ``--aoti``: the exported models side by side (dcvit.export_bench)."""
-    from .export_bench import bench_aoti, bench_onnx
+    """``--onnx`` / ``--aoti``: the exported models side by side (`dcvit.bench.export`)."""
+    from .export import bench_aoti, bench_onnx
     try:
         batches = [int(b) for b in args.onnx_batches.split(",")]
     except ValueError:

@@ -24,9 +24,11 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, Sequence
 
 import torch
+
+from .timing import time_alternately
 
 __all__ = ["export_onnx", "onnx_ops", "bench_onnx", "bench_aoti"]
 
@@ -37,7 +39,7 @@ def export_onnx(model: torch.nn.Module, path: Path, img_size: int, formulation: 
     ``formulation`` "export": DCMHA layers emit `dcvit.export_core`'s graph (the default of
     any export); "reference": the paper's formulation (``attention_impl("reference")``).
     """
-    from .fused import attention_impl
+    from ..fused import attention_impl
     x = torch.randn(2, 3, img_size, img_size)
     ctx = attention_impl("reference") if formulation == "reference" else contextlib.nullcontext()
     with ctx, warnings.catch_warnings():
@@ -74,20 +76,10 @@ def _session(path: Path, threads: int, spinning: bool):
 SETTLE_S = 0.05
 
 
-def _time_alternately(runs: Dict[str, Callable[[], Any]], warmup: int, steps: int) -> Dict[str, Dict[str, float]]:
-    """Median and best milliseconds of each run, timed in turn (order reversed every other
-    round), each after a `SETTLE_S` pause."""
-    names = list(runs)
-    for _ in range(warmup):
-        for n in names:
-            runs[n]()
-    times: Dict[str, List[float]] = {n: [] for n in names}
-    for i in range(steps):
-        for n in (names if i % 2 == 0 else names[::-1]):
-            time.sleep(SETTLE_S)
-            start = time.perf_counter()
-            runs[n]()
-            times[n].append(time.perf_counter() - start)
+def _timed(runs: Dict[str, Callable[[], Any]], warmup: int, steps: int) -> Dict[str, Dict[str, float]]:
+    """Median and best milliseconds of each run (`dcvit.bench.timing.time_alternately`, each
+    run after a `SETTLE_S` pause)."""
+    times = time_alternately(runs, torch.device("cpu"), warmup, steps, settle_s=SETTLE_S)
     return {"median": {n: statistics.median(t) * 1e3 for n, t in times.items()},
             "best": {n: min(t) * 1e3 for n, t in times.items()}}
 
@@ -141,7 +133,7 @@ def bench_onnx(model: str, baseline: str, img_size: int = 224, depth: int = 0,
         for b in batches:
             x = np.random.default_rng(0).standard_normal((b, 3, img_size, img_size), dtype=np.float32)
             runs = {k: (lambda s=s: s.run(None, {"x": x})) for k, s in sessions.items()}
-            fig = _figure(_time_alternately(runs, warmup, steps))
+            fig = _figure(_timed(runs, warmup, steps))
             out["figures"][f"b{b}"] = fig
             line = (f"  batch {b:<3} ViT {fig['vit_ms']:8.1f} ms  DCViT {fig['dcvit_ms']:8.1f} ms  "
                     f"ratio {fig['ratio']:.3f} (best runs {fig['ratio_best']:.3f})")
@@ -175,7 +167,7 @@ def bench_aoti(model: str, baseline: str, img_size: int = 224, depth: int = 0,
     with the median and best ms of every package, ``ratio`` (= vit / dcvit) and
     ``ratio_best``, and with ``cpp`` also ``dcvit_cpp_ms`` and ``ratio_cpp``.
     """
-    from .fused import attention_impl
+    from ..fused import attention_impl
     built = _build(model, baseline, img_size, depth)
     plan = [("vit", "vit", "auto"), ("dcvit", "dcvit", "auto")] + ([("dcvit_cpp", "dcvit", "cpp")] if cpp else [])
     torch.set_num_threads(threads)
@@ -197,7 +189,7 @@ def bench_aoti(model: str, baseline: str, img_size: int = 224, depth: int = 0,
             xb = torch.randn(b, 3, img_size, img_size, generator=torch.Generator().manual_seed(0))
             runs = {k: (lambda p=p: p(xb)) for k, p in packages.items()}
             with torch.no_grad():
-                fig = _figure(_time_alternately(runs, warmup, steps))
+                fig = _figure(_timed(runs, warmup, steps))
             line = (f"  batch {b:<3} ViT {fig['vit_ms']:8.1f} ms  DCViT {fig['dcvit_ms']:8.1f} ms  "
                     f"ratio {fig['ratio']:.3f} (best runs {fig['ratio_best']:.3f})")
             if cpp:

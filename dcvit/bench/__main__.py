@@ -1,0 +1,4 @@
+"""``python -m dcvit.bench``: the same as ``dcvit-bench``."""
+from .benchmark import main
+
+main()
