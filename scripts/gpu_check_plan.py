@@ -131,7 +131,7 @@ def _bench(model: str, core: str, compiled: bool) -> Callable[[Context], List[st
                      "--batch-size", "256", "--mem-batch-size", "256", "--steps", "7" if model == "S" else "5",
                      "--warmup", "2", "--impl", core]
         mode = ["--memory-backends", "compile", "--compile-only"] if compiled else ["--no-compile"]
-        return [c.python, "-m", "dcvit.benchmark", *sizes, "--dtypes", "bf16", *mode,
+        return [c.python, "-m", "dcvit.bench", *sizes, "--dtypes", "bf16", *mode,
                 "--json", str(c.scratch / f"{name}.json")]
     return argv
 

@@ -9,7 +9,7 @@ reference), bench_*.json (dcvit-bench), run_*/log.jsonl (train_imagenet),
 loop_overhead.json, and kernel_times.json (`scripts/kernel_report.py --estimate --measure`:
 each Triton kernel's and SDPA's time at the models' layer shapes, measured next to the
 roofline estimate, and the estimated training-step ratio next to the measured one). Figures
-are read against the performance targets (`dcvit.benchmark.TARGETS`: throughput ≥ 0.90×
+are read against the performance targets (`dcvit.bench.TARGETS`: throughput ≥ 0.90×
 ViT, peak memory ≤ 1.20×); for each model and eager/compile the fastest training core is
 named, which is the figure the CUDA default is chosen from (docs/performance.md). Exit
 status 1 when a step failed or timed out (a skipped step is no failure).
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-# dcvit.benchmark's targets, written out so that the summary needs neither torch nor dcvit
+# dcvit.bench's targets, written out so that the summary needs neither torch nor dcvit
 # (tests/test_gpu_check_report.py checks that the two agree).
 TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.20)}
 
@@ -71,19 +71,6 @@ def _fastest(figures: List[Dict[str, Any]]) -> Dict[str, str]:
     return {k: f"{f['core']} ({f['ratio']:.3f}x ViT)" for k, f in best.items()}
 
 
-def _suggestion(figures: List[Dict[str, Any]], device: str) -> Dict[str, Dict[str, str]]:
-    """The `dcvit.fused.CUDA_MEASURED` entry these figures support: per eager/compile, the
-    core with the fastest DCViT-S/16 training step (any model when S/16 was not run)."""
-    train = [f for f in figures if f["kind"] == "train"]
-    small = [f for f in train if f["model"].startswith("dcvit_small")] or train
-    cores: Dict[str, str] = {}
-    for backend in ("eager", "compile"):
-        rows = [f for f in small if f["backend"] == backend]
-        if rows:
-            cores[backend] = max(rows, key=lambda f: f["ratio"])["core"]
-    return {device: cores} if cores else {}
-
-
 def _kernel_times(out: Path, figures: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Estimated against measured: per model, each timed core (ms) and the training-step
     ratio (the eager Triton core's bf16 figure of that model, when it was run)."""
@@ -128,7 +115,6 @@ def report(out: Path, dest: Optional[Path] = None, quiet: bool = False) -> Dict[
               "steps": steps, "skipped": [s["step"] for s in steps if s["status"] == "skipped"],
               "kernels": _load(out / "kernels.json"), "figures": figures,
               "fastest_training_core": _fastest(figures),
-              "suggested_cuda_measured": _suggestion(figures, env.get("device", "?")),
               "training_runs": _training_runs(out),
               "loop_overhead": _load(out / "loop_overhead.json"), "targets": TARGETS,
               "kernel_times": _kernel_times(out, figures)}
@@ -160,7 +146,6 @@ def report(out: Path, dest: Optional[Path] = None, quiet: bool = False) -> Dict[
                   f"{fmt(f['dcvit']):>11}{fmt(f['vit']):>11}{f['ratio']:>7.3f}{op + str(bound):>8}  "
                   f"{'yes' if f['met'] else 'no'}")
         print("\nfastest training core: " + ", ".join(f"{k}: {v}" for k, v in result["fastest_training_core"].items()))
-        print(f"dcvit.fused.CUDA_MEASURED entry these figures support: {result['suggested_cuda_measured']}")
     if result["kernel_times"]:
         print(f"\n{'model':<7}{'Triton core vs SDPA':<22}{'estimate':>10}{'measured':>10}")
         for r in result["kernel_times"]:
