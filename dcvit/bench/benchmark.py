@@ -44,7 +44,7 @@ from .timing import sync as _sync, time_pair
 
 __all__ = ["main", "run", "TARGETS"]
 
-# Targets of the performance issue: (figure key prefix, comparison, bound).
+# The performance targets (docs/spec.md §5): (figure key prefix, comparison, bound).
 TARGETS = {"inference": (">=", 0.90), "train": (">=", 0.90), "memory": ("<=", 1.20)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
