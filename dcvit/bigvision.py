@@ -18,16 +18,19 @@ it, `BV_DCMHA_OPTIONS`). Every DCMHA option remains a ``timm.create_model`` keyw
 ``pretrained=True, pretrained_cfg_overlay=dict(file="params.npz")`` loads a big_vision
 checkpoint through `dcvit.bigvision_npz`.
 """
+import functools
 import math
 from typing import Any, Dict, List, Union
 
 import torch
 from timm.layers import lecun_normal_
-from timm.models import generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs
 from timm.models.vision_transformer import VisionTransformer
 from torch import Tensor, nn
 
-__all__ = ["BigVisionViT", "posemb_sincos_2d", "BV_DCMHA_OPTIONS", "BV_MODELS"]
+from .models import SIZES, create_vit_family, register_entry_point
+
+__all__ = ["BigVisionViT", "posemb_sincos_2d", "BV_DCMHA_OPTIONS"]
 
 # DCMHA as in the authors' MultiHeadDotProductAttention(dynamic_compose=True): a static
 # H×H matrix in both Compose stages initialised N(0, 0.1·sqrt(1/H)), tanh-GELU in the dynamic
@@ -41,15 +44,6 @@ BV_DCMHA_OPTIONS: Dict[str, Any] = dict(
     qk_norm=True,
     qk_norm_bias=False,
 )
-
-# Hyper-parameters of big_vision's `decode_variant` ("Ti/16", "S/16", "M/16", "B/16").
-BV_MODELS: Dict[str, Dict[str, Any]] = {
-    "tiny": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
-    "small": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
-    "medium": dict(patch_size=16, embed_dim=512, depth=12, num_heads=8),
-    "base": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
-}
-
 
 def posemb_sincos_2d(h: int, w: int, width: int, temperature: float = 10_000.,
                      dtype: torch.dtype = torch.float32) -> Tensor:
@@ -197,64 +191,30 @@ def _cfg(**kwargs: Any) -> Dict[str, Any]:
 
 default_cfgs = generate_default_cfgs({
     f"{family}_{size}_patch16_bv_224": _cfg()
-    for family in ("vit", "dcvit") for size in BV_MODELS
+    for family in ("vit", "dcvit") for size in SIZES
 })
 
 
-def _create(variant: str, pretrained: bool, dc: bool, size: str, **kwargs: Any) -> BigVisionViT:
-    from .models import create_vit_family
+def _create(variant: str, dc: bool, size: str, pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
     overlay = dict(kwargs.pop("pretrained_cfg_overlay", None) or {})
     if str(overlay.get("file", "")).endswith(".npz"):
         overlay.setdefault("custom_load", True)          # -> BigVisionViT.load_pretrained
     options = dict(BV_DCMHA_OPTIONS) if dc else {}
     return create_vit_family(variant, pretrained, model_cls=BigVisionViT, dc=dc,
                              pretrained_cfg_overlay=overlay or None,
-                             **{**BV_MODELS[size], **options, **kwargs})
+                             **{**SIZES[size][0], **options, **kwargs})
 
 
-@register_model
-def vit_tiny_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """big_vision ViT-Ti/16 (the authors' baseline body)."""
-    return _create("vit_tiny_patch16_bv_224", pretrained, False, "tiny", **kwargs)
+def _register_sizes() -> None:
+    """``vit_<size>_patch16_bv_224`` and ``dcvit_<size>_patch16_bv_224`` for every row of
+    `dcvit.models.SIZES` (big_vision's ``decode_variant`` sizes; the paper's DCViT-S/16 is
+    ``dcvit_small_patch16_bv_224``)."""
+    for size, (_, paper) in SIZES.items():
+        for family, dc, doc in (("vit", False, f"big_vision ViT-{paper} (the authors' baseline body)."),
+                                ("dcvit", True, f"big_vision ViT-{paper} with the authors' DC attention "
+                                                "(docs/models.md).")):
+            name = f"{family}_{size}_patch16_bv_224"
+            register_entry_point(__name__, name, doc, functools.partial(_create, name, dc, size))
 
 
-@register_model
-def vit_small_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """big_vision ViT-S/16: the paper's ViT-S/16 baseline."""
-    return _create("vit_small_patch16_bv_224", pretrained, False, "small", **kwargs)
-
-
-@register_model
-def vit_medium_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """big_vision ViT-M/16: the paper's ViT-M/16 baseline."""
-    return _create("vit_medium_patch16_bv_224", pretrained, False, "medium", **kwargs)
-
-
-@register_model
-def vit_base_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """big_vision ViT-B/16."""
-    return _create("vit_base_patch16_bv_224", pretrained, False, "base", **kwargs)
-
-
-@register_model
-def dcvit_tiny_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """big_vision ViT-Ti/16 with the authors' DC attention (rank 2; see docs/models.md)."""
-    return _create("dcvit_tiny_patch16_bv_224", pretrained, True, "tiny", **kwargs)
-
-
-@register_model
-def dcvit_small_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """The paper's DCViT-S/16: big_vision ViT-S/16 with the authors' DC attention."""
-    return _create("dcvit_small_patch16_bv_224", pretrained, True, "small", **kwargs)
-
-
-@register_model
-def dcvit_medium_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """big_vision ViT-M/16 with the authors' DC attention."""
-    return _create("dcvit_medium_patch16_bv_224", pretrained, True, "medium", **kwargs)
-
-
-@register_model
-def dcvit_base_patch16_bv_224(pretrained: bool = False, **kwargs: Any) -> BigVisionViT:
-    """big_vision ViT-B/16 with the authors' DC attention."""
-    return _create("dcvit_base_patch16_bv_224", pretrained, True, "base", **kwargs)
+_register_sizes()

@@ -14,8 +14,10 @@ and the ViT-M/16 baseline ``vit_medium_patch16_224`` where timm lacks it. Every 
 of docs/spec.md §1.3 and ``dcmha_layers`` (indices of the blocks that use DCMHA; default all) are
 keyword arguments of ``timm.create_model``.
 """
+import functools
 import inspect
-from typing import Any, Dict, Iterable, Optional, Type
+import sys
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Type
 
 import torch
 from torch import nn
@@ -26,7 +28,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from .cli import did_you_mean
 
-__all__ = ["DCVIT_MODELS", "checkpoint_filter_fn", "create_vit_family"]
+__all__ = ["SIZES", "DCVIT_MODELS", "checkpoint_filter_fn", "create_vit_family", "register_entry_point"]
 
 
 def _cfg(**kwargs: Any) -> Dict[str, Any]:
@@ -41,13 +43,21 @@ def _cfg(**kwargs: Any) -> Dict[str, Any]:
 
 # No weights are published yet: the cfgs carry preprocessing, and `pretrained_cfg_overlay=
 # dict(file=...)` loads a local .safetensors/.pth file.
-default_cfgs = generate_default_cfgs({
-    "dcvit_tiny_patch16_224": _cfg(),
-    "dcvit_small_patch16_224": _cfg(),
-    "dcvit_medium_patch16_224": _cfg(),
-    "dcvit_base_patch16_224": _cfg(),
-    "vit_medium_patch16_224": _cfg(),
-})
+# The model sizes of both families (this one and the authors' `dcvit.bigvision`): one row
+# each, its hyper-parameters and the name the paper gives it. Adding a size is one row here;
+# both families then register it (`register_sizes`, `dcvit.bigvision`). User kwargs override.
+SIZES: Dict[str, Tuple[Dict[str, Any], str]] = {
+    "tiny": (dict(patch_size=16, embed_dim=192, depth=12, num_heads=3), "Ti/16"),
+    "small": (dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), "S/16"),
+    "medium": (dict(patch_size=16, embed_dim=512, depth=12, num_heads=8), "M/16"),
+    "base": (dict(patch_size=16, embed_dim=768, depth=12, num_heads=12), "B/16"),
+}
+
+# This family's names and hyper-parameters, from `SIZES`.
+DCVIT_MODELS: Dict[str, Dict[str, Any]] = {f"dcvit_{size}_patch16_224": args for size, (args, _) in SIZES.items()}
+
+default_cfgs = generate_default_cfgs({**{name: _cfg() for name in DCVIT_MODELS},
+                                      "vit_medium_patch16_224": _cfg()})
 
 # The keyword arguments timm's builder consumes itself (features, pretrained handling).
 _BUILDER_KWARGS = set(inspect.signature(build_model_with_cfg).parameters) | {
@@ -144,75 +154,36 @@ def create_vit_family(variant: str, pretrained: bool = False,
     )
 
 
-def _create_dcvit(variant: str, pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    return create_vit_family(variant, pretrained, **kwargs)
+def _create_dcvit(variant: str, args: Dict[str, Any], pretrained: bool = False,
+                  **kwargs: Any) -> VisionTransformer:
+    return create_vit_family(variant, pretrained, **{**args, **kwargs})
 
 
-# Architecture of each model: one line of hyper-parameters, user kwargs override them.
-DCVIT_MODELS: Dict[str, Dict[str, Any]] = {
-    "dcvit_tiny_patch16_224": dict(patch_size=16, embed_dim=192, depth=12, num_heads=3),
-    "dcvit_small_patch16_224": dict(patch_size=16, embed_dim=384, depth=12, num_heads=6),
-    "dcvit_medium_patch16_224": dict(patch_size=16, embed_dim=512, depth=12, num_heads=8),
-    "dcvit_base_patch16_224": dict(patch_size=16, embed_dim=768, depth=12, num_heads=12),
-}
+def register_entry_point(module: str, name: str, doc: str, build: Callable[..., nn.Module]) -> None:
+    """Registers ``name`` with timm as a function of ``module`` (as ``@register_model`` would a
+    ``def``): ``build(pretrained, **kwargs)`` makes the model."""
+    def entry_point(pretrained: bool = False, **kwargs: Any) -> nn.Module:
+        return build(pretrained, **kwargs)
+    entry_point.__name__ = entry_point.__qualname__ = name
+    entry_point.__module__, entry_point.__doc__ = module, doc
+    setattr(sys.modules[module], name, register_model(entry_point))
 
 
-@register_model
-def dcvit_tiny_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """DCViT-Ti/16: ViT-Ti/16 with DCMHA."""
-    return _create_dcvit("dcvit_tiny_patch16_224", pretrained,
-                         **{**DCVIT_MODELS["dcvit_tiny_patch16_224"], **kwargs})
+def _register_sizes() -> None:
+    """``dcvit_<size>_patch16_224`` and its alias ``dcvit_<size>`` for every row of `SIZES`."""
+    for size, (args, paper) in SIZES.items():
+        name = f"dcvit_{size}_patch16_224"
+        build = functools.partial(_create_dcvit, name, args)
+        register_entry_point(__name__, name, f"DCViT-{paper}: ViT-{paper} with DCMHA.", build)
+        register_entry_point(__name__, f"dcvit_{size}", f"Alias of {name}.", build)
 
 
-@register_model
-def dcvit_small_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """DCViT-S/16: ViT-S/16 with DCMHA (22,631,272 parameters, 1.026x ViT-S/16)."""
-    return _create_dcvit("dcvit_small_patch16_224", pretrained,
-                         **{**DCVIT_MODELS["dcvit_small_patch16_224"], **kwargs})
-
-
-@register_model
-def dcvit_medium_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """DCViT-M/16: ViT-M/16 with DCMHA."""
-    return _create_dcvit("dcvit_medium_patch16_224", pretrained,
-                         **{**DCVIT_MODELS["dcvit_medium_patch16_224"], **kwargs})
-
-
-@register_model
-def dcvit_base_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """DCViT-B/16: ViT-B/16 with DCMHA."""
-    return _create_dcvit("dcvit_base_patch16_224", pretrained,
-                         **{**DCVIT_MODELS["dcvit_base_patch16_224"], **kwargs})
-
-
-@register_model
-def dcvit_tiny(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """Alias of dcvit_tiny_patch16_224."""
-    return dcvit_tiny_patch16_224(pretrained, **kwargs)
-
-
-@register_model
-def dcvit_small(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """Alias of dcvit_small_patch16_224."""
-    return dcvit_small_patch16_224(pretrained, **kwargs)
-
-
-@register_model
-def dcvit_medium(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """Alias of dcvit_medium_patch16_224."""
-    return dcvit_medium_patch16_224(pretrained, **kwargs)
-
-
-@register_model
-def dcvit_base(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
-    """Alias of dcvit_base_patch16_224."""
-    return dcvit_base_patch16_224(pretrained, **kwargs)
+_register_sizes()
 
 
 if "vit_medium_patch16_224" not in timm_vit.__dict__:
     @register_model
     def vit_medium_patch16_224(pretrained: bool = False, **kwargs: Any) -> VisionTransformer:
         """ViT-M/16, the paper's baseline between ViT-S and ViT-B (timm has only gap variants)."""
-        model_args = dict(patch_size=16, embed_dim=512, depth=12, num_heads=8)
         return timm_vit._create_vision_transformer(
-            "vit_medium_patch16_224", pretrained, **{**model_args, **kwargs})
+            "vit_medium_patch16_224", pretrained, **{**SIZES["medium"][0], **kwargs})

@@ -8,11 +8,12 @@ from timm.layers import Attention, set_scriptable
 from timm.layers import create_feature_extractor, get_graph_node_names
 
 import dcvit
+import dcvit.models
 import dcvit.weights
 from dcvit import DCMHA
 
-VARIANTS = ["dcvit_tiny_patch16_224", "dcvit_small_patch16_224", "dcvit_medium_patch16_224",
-            "dcvit_base_patch16_224"]
+VARIANTS = list(dcvit.models.DCVIT_MODELS)          # every row of dcvit.models.SIZES
+# The baseline of each and its parameter count, written out (a new size needs its row here).
 BASELINES = {"dcvit_tiny_patch16_224": ("vit_tiny_patch16_224", 5_717_416),
              "dcvit_small_patch16_224": ("vit_small_patch16_224", 22_050_664),
              "dcvit_medium_patch16_224": ("vit_medium_patch16_224", 38_837_736),
