@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 def _fvcore() -> ModuleType:
     """``fvcore.nn``, imported on first use: only the functions that count FLOPs or
     parameters need it, so `analytic_macs`, `einsum_macs` and whoever imports this module
-    (``kernel_report --estimate``, ``dcvit-report --help``) run without fvcore installed.
+    (``python -m dcvit.bench.kernels --estimate``, ``dcvit-report --help``) run without fvcore installed.
 
     fvcore.nn scripts its focal losses with torch.jit.script at import time, which torch
     deprecates with a FutureWarning; it says nothing about this module, so only that warning,

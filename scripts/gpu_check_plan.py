@@ -16,7 +16,7 @@ figures; logs, per-step JSON, synthetic data and training runs live in ``--scrat
 Planned seconds on CUDA come from `cost`: process starts, Triton and torch.compile
 compilations (one block size per kernel, ``DCVIT_TRITON_AUTOTUNE=0``), and the timed
 work, counted in training steps of the model at batch 256 and priced at the H100
-estimate of ``kernel_report --estimate`` (`KERNEL_REPORT`) times `SLACK`. Those unit
+estimate of ``python -m dcvit.bench.kernels --estimate`` (`KERNEL_REPORT`) times `SLACK`. Those unit
 costs are assumptions until a GPU run measures them: each step's measured seconds are
 in the summary next to its plan. The dry run (CPU, tiny sizes, the reference core) has
 fixed costs measured on a 2-core machine.
@@ -48,7 +48,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def paths(root: Path) -> Dict[str, Path]:
     scripts = root / "scripts"
     return dict(root=root, pyproject=root / "pyproject.toml", report=scripts / "gpu_check_report.py",
-                kernels=scripts / "gpu_check_kernels.py", kernel_report=scripts / "kernel_report.py",
                 loop_overhead=scripts / "loop_overhead.py", shards=scripts / "make_wds_shards.py",
                 config=root / "configs" / "deit300_dcvit_small.yaml")
 
@@ -69,7 +68,7 @@ START = 15.0            # a Python process: interpreter, torch, timm, dcvit, the
 TRITON_COMPILE = 12.0   # one Triton kernel variant compiled for the GPU
 TORCH_COMPILE = 90.0    # one torch.compile graph (a model's training or inference step)
 SLACK = 4.0             # a measured step against the roofline estimate, a lower bound
-# kernel_report --estimate's H100 training-step milliseconds at batch 256 (DCViT, ViT),
+# dcvit.bench.kernels --estimate's H100 training-step milliseconds at batch 256 (DCViT, ViT),
 # used when the environment step could not compute them.
 DEFAULT_STEP_MS = {"S/16": (9.7, 8.3), "B/16": (36.4, 29.5)}
 # The smoke training run: images per class, classes, epochs, batch (CUDA; dry run).
@@ -151,29 +150,28 @@ for label, (h, dtype) in {"S/16": (6, torch.bfloat16), "B/16": (12, torch.bfloat
     core, why = select_impl("auto", torch.zeros(1, h, 197, 64, device=dev, dtype=dtype))
     info.setdefault("auto_core", core)
     info.setdefault("cores", {})[label] = {"core": core, "reason": why}
-if sys.argv[4] != "dry":   # the CUDA plan's prices (the dry run's are fixed)
-    sys.path.insert(0, sys.argv[2])
-    import kernel_report
-    est = kernel_report.estimate()
+if sys.argv[3] != "dry":   # the CUDA plan's prices (the dry run's are fixed)
+    from dcvit.bench import kernels
+    est = kernels.estimate()
     info["estimate_step_ms"] = {k: [m["step_ms"]["dcvit"], m["step_ms"]["vit"]] for k, m in est["models"].items()}
-info["wheels_installed"] = [n for n in sys.argv[3].split(",") if n]
+info["wheels_installed"] = [n for n in sys.argv[2].split(",") if n]
 print(json.dumps(info, indent=1))
 json.dump(info, open(sys.argv[1], "w"), indent=1)
 """
 
 
 def _environment(c: Context) -> List[str]:
-    return [c.python, "-c", _ENVIRONMENT, str(c.scratch / "environment.json"), str(c.p["kernel_report"].parent),
+    return [c.python, "-c", _ENVIRONMENT, str(c.scratch / "environment.json"),
             os.environ.get("DCVIT_GPU_CHECK_WHEELS", ""), "dry" if c.dry else "cuda"]
 
 
 def _kernels(c: Context) -> List[str]:
     size = ["--device", "cpu", "--tokens", "5", "--batch-size", "1"] if c.dry else ["--batch-size", "16"]
-    return [c.python, str(c.p["kernels"]), *size, "--json", str(c.scratch / "kernels.json")]
+    return [c.python, "-m", "dcvit.bench.gpu_kernels", *size, "--json", str(c.scratch / "kernels.json")]
 
 
 def _kernel_times(c: Context) -> List[str]:
-    return [c.python, str(c.p["kernel_report"]), "--estimate", *([] if c.dry else ["--measure"]),
+    return [c.python, "-m", "dcvit.bench.kernels", "--estimate", *([] if c.dry else ["--measure"]),
             "--json", str(c.scratch / "kernel_times.json")]
 
 
@@ -417,11 +415,11 @@ def run(c: Context, budget: float) -> Dict:
 
 
 def _estimate_ms(root: Path) -> Optional[Dict[str, List[float]]]:
-    """kernel_report --estimate's step milliseconds, when torch, timm and dcvit import here."""
+    """dcvit.bench.kernels --estimate's step milliseconds, when torch, timm and dcvit import here."""
     try:
-        sys.path[:0] = [str(root), str(paths(root)["kernel_report"].parent)]
-        import kernel_report
-        return {k: [m["step_ms"]["dcvit"], m["step_ms"]["vit"]] for k, m in kernel_report.estimate()["models"].items()}
+        sys.path[:0] = [str(root)]
+        from dcvit.bench import kernels
+        return {k: [m["step_ms"]["dcvit"], m["step_ms"]["vit"]] for k, m in kernels.estimate()["models"].items()}
     except Exception:  # noqa: BLE001  (a bare environment: the defaults)
         return None
 

@@ -4,9 +4,9 @@
 
 Reads steps.json (`gpu_check_plan.run`: the budget, the plan, and per step its status
 pass/fail/timeout/skipped, planned and measured seconds, limit, log, and why it was skipped),
-environment.json, kernels.json (`gpu_check_kernels.py`: the Triton core against the
+environment.json, kernels.json (`dcvit.bench.gpu_kernels`: the Triton core against the
 reference), bench_*.json (dcvit-bench), run_*/log.jsonl (train_imagenet),
-loop_overhead.json, and kernel_times.json (`scripts/kernel_report.py --estimate --measure`:
+loop_overhead.json, and kernel_times.json (`python -m dcvit.bench.kernels --estimate --measure`:
 each Triton kernel's and SDPA's time at the models' layer shapes, measured next to the
 roofline estimate, and the estimated training-step ratio next to the measured one). Figures
 are read against the performance targets (`dcvit.bench.TARGETS`: throughput ≥ 0.90×

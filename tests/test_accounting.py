@@ -236,7 +236,7 @@ def test_flop_counter_counts_the_fused_core_as_the_accounting(options):
 
 def test_fvcore_import_warning_is_silenced_and_the_callers_filters_are_kept():
     """fvcore is imported on the first count, not with the package (``dcvit-report --help``
-    and ``kernel_report --estimate`` run without it); its import-time `torch.jit.script`
+    and ``dcvit.bench.kernels --estimate`` run without it); its import-time `torch.jit.script`
     FutureWarning is ignored only around that import: none is printed, and the caller's own
     filters come back unchanged."""
     import os

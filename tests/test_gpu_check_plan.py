@@ -25,8 +25,9 @@ def planner():
 
 @pytest.fixture(scope="module")
 def step_ms():
-    """kernel_report --estimate's training-step milliseconds, as the environment step records them."""
-    est = _module("kernel_report").estimate()
+    """dcvit.bench.kernels --estimate's training-step milliseconds, as the environment step records them."""
+    from dcvit.bench import kernels
+    est = kernels.estimate()
     return {k: [m["step_ms"]["dcvit"], m["step_ms"]["vit"]] for k, m in est["models"].items()}
 
 

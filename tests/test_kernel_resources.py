@@ -4,7 +4,7 @@ Each kernel variant DCViT trains with (its head counts 3, 6, 12, 16 at head dim 
 pre- and post-compose with both matrix sides, no mask: forward and both backward kernels,
 every autotune candidate), and the same with a mask, is compiled ahead of time for sm_80
 (A100) and sm_90 (H100) by the installed Triton and assembled by ``ptxas -v`` from its wheel
-(`scripts/kernel_report.py`); no GPU needed. A spill puts a loop's working set in local
+(`dcvit.bench.kernels`); no GPU needed. A spill puts a loop's working set in local
 memory; a block over 160 KiB of shared memory cannot launch on an A100 (164 KiB per block).
 Compiled once per session, in a pool of two processes (Triton's cache makes later sessions
 quick). The slow tier adds every stage combination and fp16 (test_every_variant_fits) and
@@ -12,13 +12,10 @@ repeats the production set under the oldest and newest Triton the kernels suppor
 (tests/test_triton_releases.py).
 """
 import itertools
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import kernel_report  # noqa: E402
+from dcvit.bench import kernels as kernel_report
 
 if kernel_report.triton_module() is None:
     pytest.skip("triton is not installed: nothing to compile", allow_module_level=True)

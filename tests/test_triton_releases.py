@@ -2,7 +2,7 @@
 
 For each release a scratch environment takes everything from the running one (torch, the
 project) and only ``triton==X`` from the package registry: ``pip install --no-deps --target
-DIR``, with DIR first on PYTHONPATH. There `scripts/kernel_report.py --production`
+DIR``, with DIR first on PYTHONPATH. There `python -m dcvit.bench.kernels --production`
 compiles every variant DCViT trains with (head dim 64, bf16, both Compose stages with both
 matrix sides, no mask, heads 3, 6, 12, 16, every `block_sizes` candidate, sm_80 and sm_90)
 with that release's compiler and ptxas; the tests fail on a compile error, a spill or a block
@@ -45,7 +45,7 @@ def _report(request, tmp_path_factory, version: str) -> dict:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([target, ROOT, os.environ.get("PYTHONPATH", "")]))
         env.pop("TRITON_INTERPRET", None)
         env["TRITON_CACHE_DIR"] = str(tmp / "cache")
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "kernel_report.py"), "--production",
+        done = subprocess.run([sys.executable, "-m", "dcvit.bench.kernels", "--production",
                                "--targets", "sm80", "sm90", "--json", str(out)],
                               capture_output=True, text=True, env=env, cwd=ROOT)
         assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -77,7 +77,6 @@ def test_production_variants_compile_under_release(request, tmp_path_factory, ve
     *RELEASES[1:]])
 def test_production_variants_fit_under_release(request, tmp_path_factory, version):
     """No spill, at most 160 KiB of shared memory (kernel_report.problems)."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import kernel_report
-    bad = kernel_report.problems(_report(request, tmp_path_factory, version)["rows"])
+    from dcvit.bench import kernels
+    bad = kernels.problems(_report(request, tmp_path_factory, version)["rows"])
     assert not bad, "\n".join(bad)

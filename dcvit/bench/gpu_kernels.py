@@ -11,8 +11,8 @@ layer rounds its dense layers too, so the Triton core passes when its error is a
 per kernel (``DCVIT_TRITON_AUTOTUNE=0``): each model costs three compilations (forward,
 query-side and key-side backward).
 
-    python scripts/gpu_check_kernels.py --json kernels.json             # on CUDA: 197 tokens
-    TRITON_INTERPRET=1 python scripts/gpu_check_kernels.py --tokens 5    # on CPU (interpreter)
+    python -m dcvit.bench.gpu_kernels --json kernels.json             # on CUDA: 197 tokens
+    TRITON_INTERPRET=1 python -m dcvit.bench.gpu_kernels --tokens 5    # on CPU (interpreter)
 
 Exit status 1 when a model fails or its Triton run raised.
 """

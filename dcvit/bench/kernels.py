@@ -15,12 +15,16 @@ launch is captured, not run), for q, k, v as views of one (B, N, 3, H, D) qkv pr
 and N = 197 tokens, so Triton's own specialisation (strides of 1 as constants, 16-byte
 alignment) is what a real launch gets.
 
-    python scripts/kernel_report.py --quick                 # the masked production variants
-    python scripts/kernel_report.py --production --check    # DCViT's own variants; status 1 if one does not fit
-    python scripts/kernel_report.py --heads 6 12 --targets sm90 --json out.json
-    python scripts/kernel_report.py --estimate              # expected H100 time (docs/performance.md)
+    python -m dcvit.bench.kernels --quick                 # the masked production variants
+    python -m dcvit.bench.kernels --production --check    # DCViT's own variants; status 1 if one does not fit
+    python -m dcvit.bench.kernels --heads 6 12 --targets sm90 --json out.json
+    python -m dcvit.bench.kernels --estimate              # expected H100 time (docs/performance.md)
 
 Needs only the triton wheel (and torch); runs on CPU, compiling in a pool of 2 processes.
+It runs under any Triton put first on ``PYTHONPATH`` (tests/test_triton_releases.py), which
+is why it imports triton, torch and the model code only inside the functions that need them.
+One module over 400 lines: the variants, their compilation and the estimate read the same
+kernel table, and the GPU check runs all three.
 """
 import argparse
 import concurrent.futures
@@ -234,14 +238,21 @@ def measure(vs: Sequence[Variant], jobs: int = 2) -> List[Dict]:
         return [compile_variant(v) for v in vs]
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")          # no inherited torch/triton threads
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_compiling) as pool:
+    with _compiling(), concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
         return list(pool.map(compile_variant, vs))
 
 
-def _compiling() -> None:
-    """A pool process compiles for a GPU even where its parent runs Triton's interpreter
-    (the test session sets TRITON_INTERPRET=1 before Triton is imported)."""
-    os.environ.pop("TRITON_INTERPRET", None)
+@contextlib.contextmanager
+def _compiling():
+    """The pool's processes compile for a GPU even where their parent runs Triton's
+    interpreter (the test session sets TRITON_INTERPRET=1): they start without it, before
+    anything imports Triton in them (importing this module imports `dcvit`, and Triton)."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def problems(rows: Sequence[Dict]) -> List[str]:
@@ -565,5 +576,4 @@ def _ptxas_version(arch: int) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     sys.exit(main())
