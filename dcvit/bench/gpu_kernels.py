@@ -2,7 +2,7 @@
 
 For each model a DCMHA layer of its width and head count (S/16: 384 wide, 6 heads; B/16:
 768, 12; head dim 64) runs a forward and a backward three times: under bf16 autocast on the
-Triton core (``dcvit.fused.attention_impl("triton")``), under bf16 autocast on the
+Triton core (``dcvit.attention_impl("triton")``), under bf16 autocast on the
 ``reference`` core (the formula of docs/spec.md §1.1 in PyTorch ops), and in float64 on the
 reference core. Per tensor (output, input gradient, every parameter's gradient) the error
 is the largest difference from float64 relative to that tensor's largest value. The bf16
@@ -33,7 +33,7 @@ FACTOR, FLOOR = 2.0, 1e-2
 
 def _run(layer: torch.nn.Module, x: torch.Tensor, impl: str, dtype: Optional[torch.dtype]):
     """Output and gradients (input, then parameters) of one forward and backward."""
-    from dcvit.fused import attention_impl
+    from dcvit import attention_impl
     xi = x.clone().requires_grad_()
     layer.zero_grad(set_to_none=True)
     with attention_impl(impl), torch.autocast(x.device.type, dtype=dtype or torch.float32,
@@ -51,7 +51,7 @@ def check(label: str, device: torch.device, batch: int, tokens: int) -> Dict:
     torch.manual_seed(0)
     layer = dcvit.DCMHA(width, heads, qkv_bias=True).to(device)
     with torch.no_grad():                                    # dynamic weights large enough to matter
-        for p in layer.dynamic_weights.parameters():
+        for p in layer.core.dynamic_weights.parameters():
             p.normal_(0, 0.3)
     x = torch.randn(batch, tokens, width, device=device)
     start = time.perf_counter()
