@@ -41,11 +41,10 @@ def _cfg(**kwargs: Any) -> Dict[str, Any]:
     }
 
 
-# No weights are published yet: the cfgs carry preprocessing, and `pretrained_cfg_overlay=
-# dict(file=...)` loads a local .safetensors/.pth file.
 # The model sizes of both families (this one and the authors' `dcvit.bigvision`): one row
 # each, its hyper-parameters and the name the paper gives it. Adding a size is one row here;
-# both families then register it (`register_sizes`, `dcvit.bigvision`). User kwargs override.
+# both families then register it (`_register_sizes` here and in `dcvit.bigvision`). User
+# kwargs override.
 SIZES: Dict[str, Tuple[Dict[str, Any], str]] = {
     "tiny": (dict(patch_size=16, embed_dim=192, depth=12, num_heads=3), "Ti/16"),
     "small": (dict(patch_size=16, embed_dim=384, depth=12, num_heads=6), "S/16"),
@@ -56,6 +55,8 @@ SIZES: Dict[str, Tuple[Dict[str, Any], str]] = {
 # This family's names and hyper-parameters, from `SIZES`.
 DCVIT_MODELS: Dict[str, Dict[str, Any]] = {f"dcvit_{size}_patch16_224": args for size, (args, _) in SIZES.items()}
 
+# No weights are published yet: the cfgs carry preprocessing, and `pretrained_cfg_overlay=
+# dict(file=...)` loads a local .safetensors/.pth file.
 default_cfgs = generate_default_cfgs({**{name: _cfg() for name in DCVIT_MODELS},
                                       "vit_medium_patch16_224": _cfg()})
 
