@@ -77,6 +77,17 @@ def check(label: str, device: torch.device, batch: int, tokens: int) -> Dict:
                 passed=errors[worst] <= max(FACTOR * reference[worst], FLOOR), first_run_s=seconds)
 
 
+def _triton_on_cpu() -> None:
+    """The dry run (CPU, Triton's interpreter): the Triton core registered for CPU tensors,
+    as the tests register it (the library registers it for CUDA only)."""
+    from dcvit import fused
+    from dcvit.kernels import triton_core
+    if not triton_core.interpreted():
+        raise SystemExit("on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1")
+    if ("cpu", "triton") not in fused._CORES:
+        fused.register_core("cpu", "triton", *fused._CORES[("cuda", "triton")])
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -86,6 +97,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     device = torch.device(a.device)
+    if device.type == "cpu":
+        _triton_on_cpu()
     result = {"device": str(device), "models": {}}
     for label in a.models:
         try:
