@@ -66,7 +66,7 @@ from torch import Tensor
 from torch.utils import flop_counter
 
 from .kernels import compose_cpu
-from .matrices import ComposeMatrices, attention_with_matrices, mix_fusable
+from .matrices import ComposeMatrices, attention_with_matrices
 
 __all__ = ["IMPLS", "attention_impl", "select_impl", "composed_attention",
            "composed_attention_compile", "attention_macs"]
@@ -126,10 +126,11 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
     forced core (`attention_impl`, then the layer's ``attn_impl``): a forced kernel that
     cannot take the inputs raises ``ValueError`` with the reason; a forced ``export`` runs
     its graph in eager mode. ``auto``: the weights or a mask gradient -> ``compile``; CPU ->
-    ``cpp`` when the kernel is built and takes the inputs (also inside ``torch.compile``: a
-    custom op the graph keeps); CUDA -> inside ``torch.compile`` ``compile``, else
-    ``triton`` when it takes the inputs and its kernels pass their one-time check on this
-    device (`triton_core.works_on`); everything else -> ``compile``.
+    ``cpp`` when the kernel is built and takes the inputs; CUDA -> ``triton`` when it takes
+    the inputs and its kernels pass their one-time check on this device
+    (`triton_core.works_for`); everything else -> ``compile``. Inside ``torch.compile`` the
+    same: a kernel core is one custom op that the graph keeps, and the Triton check runs once
+    while the graph is traced.
 
     The core also fixes how its per-token matrices are built (`dcvit.core.DCMHACore.matrices`):
     by the C++ kernel for ``cpp``, in PyTorch for the others.
@@ -161,21 +162,21 @@ def select_impl(layer_impl: str, q: Tensor, *, weights: bool = False,
     if mask is not None and mask.requires_grad:
         return "compile", "the mask requires grad (the kernels return no mask gradient)"
     compiling = torch.compiler.is_compiling()
-    if q.device.type == "cuda":
-        if compiling:
-            return "compile", "inside torch.compile on a GPU: inductor fuses the plain maths"
+    in_graph = ", one op in the graph" if compiling else ""
+    if q.device.type in _TRITON_DEVICES:
         why = _refuses("triton", q, weights, mask)
-        if why is None and not _triton().works_on(q):
+        if why is None and not _triton().works_for(str(q.device), q.dtype, q.shape[1], q.shape[3]):
             why = "the Triton kernels failed their one-time check on this device (see the warning)"
-        return ("compile", why) if why else ("triton", "CUDA: the Triton kernels passed their check here")
+        return ("compile", why) if why else ("triton", "CUDA: the Triton kernels passed their check here" + in_graph)
     why = _refuses("cpp", q, weights, mask)
     if why:
         return "compile", why
     cast = " (computed in float32)" if q.dtype in _CPP_CAST else ""
-    return "cpp", "CPU: the C++ kernels" + cast + (", one op in the graph" if compiling else "")
+    return "cpp", "CPU: the C++ kernels" + cast + in_graph
 
 
 _CPP_CAST = (torch.bfloat16, torch.float16)   # run by the C++ core in float32
+_TRITON_DEVICES = ("cuda",)                   # where "auto" runs the Triton core, eager and compiled
 
 
 def _refuses(core: str, q: Tensor, weights: bool, mask: Optional[Tensor]) -> Optional[str]:
@@ -475,19 +476,7 @@ def composed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
 def composed_attention_compile(q: Tensor, k: Tensor, v: Optional[Tensor], mask: Optional[Tensor],
                                mats: ComposeMatrices, scale: float = 1.0) -> Tensor:
     """The core in plain differentiable PyTorch (the ``"compile"`` core): (B, H, T, D), or the
-    composed weights (B, H, T, S) when ``v`` is None.
-
-    In eager mode `dcvit.matrices.attention_with_matrices` (the formulation the export core
-    runs too); inside ``torch.compile`` each Compose stage is a sum of broadcast products on
-    head-major maps (`dcvit.matrices.mix_fusable`) that inductor fuses into one loop nest.
-    """
-    if not torch.compiler.is_compiling():
-        return attention_with_matrices(q, k, v, mask, mats, scale)
-    a = (q * scale) @ k.transpose(-2, -1)                                    # (B, H, T, S)
-    for mq, mk, softmax in ((mats.pre_q, mats.pre_k, True), (mats.post_q, mats.post_k, False)):
-        if mq is not None:
-            a = mix_fusable(a, mq.to(a.dtype), None if mk is None else mk.to(a.dtype))
-        if softmax:
-            a = a if mask is None else a + mask
-            a = a.softmax(dim=-1)
-    return a if v is None else a.to(v.dtype) @ v
+    composed weights (B, H, T, S) when ``v`` is None. `dcvit.matrices.attention_with_matrices`,
+    the one PyTorch formulation: in eager mode, inside ``torch.compile`` and in exported
+    graphs (`dcvit.export_core`) alike."""
+    return attention_with_matrices(q, k, v, mask, mats, scale)

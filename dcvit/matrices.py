@@ -13,9 +13,9 @@ the attention core. A layer builds all its dynamic slots at once from the raw pr
 (`slot_matrices_from_projections`: `slot_matrices`, the one PyTorch builder, or with the
 ``cpp`` core one C++ pass, the custom op ``dcvit::slot_matrices``) and takes each stage's
 pair with `stage_matrices`. `mix` applies a pair to a query-major (..., T, H, S) map, the one
-PyTorch formulation of eager and exported graphs, and `attention_with_matrices` the whole
-attention core with it; `mix_fusable` is the same sum on a head-major map written for
-inductor. `dcvit.fused` runs the attention core on them.
+PyTorch formulation of Compose on the matrices (eager, compiled and exported graphs), and
+`attention_with_matrices` the whole attention core with it. `dcvit.fused` runs the attention
+core on them.
 """
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -26,7 +26,7 @@ from .kernels import compose_cpu  # noqa: F401  (loads the dcvit_cpu operators)
 
 __all__ = ["ComposeSlots", "ComposeMatrices", "compose_stage_macs", "slot_matrices",
            "slot_matrices_from_projections", "stage_matrices", "rms_normalize", "RMS_EPS", "mix",
-           "mix_fusable", "attention_with_matrices"]
+           "attention_with_matrices"]
 
 
 class ComposeSlots(NamedTuple):
@@ -226,19 +226,6 @@ def mix(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
         per_key = a.reshape(*lead, T * H, S).transpose(-1, -2).reshape(*lead, S, T, H)
         per_key = per_key @ mk                                               # (..., S, T, H)
         out = out + per_key.reshape(*lead, S, T * H).transpose(-1, -2).reshape(*lead, T, H, S)
-    return out
-
-
-def mix_fusable(a: Tensor, mq: Tensor, mk: Optional[Tensor]) -> Tensor:
-    """`mix` on a head-major map a (B, H, T, S), as a sum over input heads of broadcast
-    products: what inductor fuses into one loop nest inside ``torch.compile``."""
-    H = a.shape[1]
-    out = a.new_zeros(())
-    for g in range(H):
-        coef = mq[:, :, g, :].transpose(1, 2).unsqueeze(-1)                  # (B, H, T, 1)
-        if mk is not None:
-            coef = coef + mk[:, :, g, :].transpose(1, 2).unsqueeze(-2)       # (B, H, T, S)
-        out = out + a[:, g:g + 1] * coef                                     # (B, H, T, S)
     return out
 
 

@@ -111,7 +111,6 @@ def test_merged_matrices_equal_compose(rank, branches):
     torch.testing.assert_close(query_major, expected, atol=1e-12, rtol=0)
     one_sample = mix(a[1].transpose(0, 1), mq[min(1, mq.shape[0] - 1)], None if mk is None else mk[1])
     torch.testing.assert_close(one_sample.transpose(0, 1), expected[1], atol=1e-12, rtol=0)
-    torch.testing.assert_close(matrices.mix_fusable(a, mq, mk), expected, atol=1e-12, rtol=0)
 
 
 @pytest.mark.parametrize("options,slots", [

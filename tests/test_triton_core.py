@@ -399,6 +399,38 @@ def test_self_check_passes_and_is_remembered(monkeypatch):
     assert not triton_core.works_on(q.double())
 
 
+def test_auto_runs_triton_inside_torch_compile(monkeypatch):
+    """Where "auto" runs the Triton core in eager mode, it runs it inside ``torch.compile``
+    too (full graph, dynamic shapes): one custom op of the traced graph, after the one-time
+    check that ran while the graph was traced; the compiled layer's output and gradients are
+    the eager reference core's."""
+    monkeypatch.setattr(fused, "_TRITON_DEVICES", ("cuda", DEVICE.type))
+    monkeypatch.setattr(triton_core, "_checked", {})
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = dcvit.DCMHA(16, num_heads=2).to(DEVICE)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)                   # far from the near-identity init
+    x = torch.randn(2, 5, 16, device=DEVICE, requires_grad=True)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    out = torch.compile(layer, backend=keep, fullgraph=True, dynamic=True)(x)
+    ops = [n for gm in graphs for n in gm.graph.nodes
+           if n.op == "call_function" and "composed_attention" in str(n.target)]
+    assert len(ops) == 1 and "triton" in ops[0].args, [n.args for n in ops]
+    assert list(triton_core._checked) == [(str(DEVICE), torch.float32, 2, 8)]
+    grad, = torch.autograd.grad(out.sum(), x)
+    with attention_impl("reference"):
+        want = layer(x)
+    want_grad, = torch.autograd.grad(want.sum(), x)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
 def test_self_check_failure_warns_once_and_declines(monkeypatch, failure):
     def check(*args):

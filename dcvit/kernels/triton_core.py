@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on",
+__all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for",
            "attention_forward", "attention_backward", "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
@@ -110,27 +110,35 @@ _checked: Dict[Tuple, bool] = {}
 
 def works_on(q: Tensor) -> bool:
     """Whether the kernels compile for q's device, dtype, heads and head dim and agree with
+    the attention formula there: `works_for` of q's."""
+    return works_for(str(q.device), q.dtype, q.shape[1], q.shape[3])
+
+
+@torch.compiler.assume_constant_result
+def works_for(device: str, dtype: torch.dtype, heads: int, head_dim: int) -> bool:
+    """Whether the kernels compile for this device, dtype, heads and head dim and agree with
     the attention formula there (every stage, key-side matrices and a mask; forward and every
     gradient, on a small random problem). Checked once per configuration and remembered; a
     failure is reported once as a warning. The automatic core choice asks this before it
-    picks the Triton core on a GPU where it was never measured."""
-    B, H, T, D = q.shape
-    key = (str(q.device), q.dtype, H, D)
-    if not available() or H > MAX_HEADS or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    picks the Triton core on a GPU where it was never measured. Inside ``torch.compile`` the
+    call runs once, while the graph is traced, and its answer is a constant of the graph
+    (``assume_constant_result``): the arguments are plain values for that."""
+    key = (device, dtype, heads, head_dim)
+    if not available() or heads > MAX_HEADS or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False                                          # outside the kernels' range
     if key not in _checked:
         reason = ""
         try:
-            err = _self_check(q.device, q.dtype, H, D)
-            tol = 1e-3 if q.dtype == torch.float32 else 3e-2
+            err = _self_check(torch.device(device), dtype, heads, head_dim)
+            tol = 1e-3 if dtype == torch.float32 else 3e-2
             if not err <= tol:
                 reason = f"relative error {err:.2e} > {tol:.0e} against the formula"
         except Exception as e:  # noqa: BLE001  (compile errors, out of resources, ...)
             reason = f"{type(e).__name__}: {str(e)[:300]}"
         if reason:
-            warnings.warn(f"DCMHA: the Triton attention core is not used on {q.device} for "
-                          f"{H} heads of {D} dims in {q.dtype} ({reason}); using the 'compile' core",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(f"DCMHA: the Triton attention core is not used on {device} for "
+                          f"{heads} heads of {head_dim} dims in {dtype} ({reason}); using the 'compile' core",
+                          RuntimeWarning, stacklevel=3)
         _checked[key] = not reason
     return _checked[key]
 
