@@ -2,7 +2,8 @@
 
 Without a CUDA device the Triton kernels run in Triton's interpreter on CPU tensors: the
 interpreter is chosen before triton is first imported, and the Triton core is registered
-for CPU tensors here (the library registers it for CUDA only). With CUDA the tests run the
+for CPU tensors here (`dcvit.bench.gpu_kernels.triton_on_cpu`; the library registers it for
+CUDA only). With CUDA the tests run the
 Triton core on CUDA tensors (`attention_cores.device_for`).
 """
 import os
@@ -13,8 +14,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from dcvit import fused
-    fused.register_core("cpu", "triton", *fused._CORES[("cuda", "triton")])
+    from dcvit.bench.gpu_kernels import triton_on_cpu
+    triton_on_cpu()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -23,9 +23,7 @@ import sys
 import time
 from typing import Dict, Optional, Sequence
 
-os.environ.setdefault("DCVIT_TRITON_AUTOTUNE", "0")
-
-import torch  # noqa: E402
+import torch
 
 SHAPES = {"S/16": (384, 6), "B/16": (768, 12)}   # width, heads (head dim 64)
 FACTOR, FLOOR = 2.0, 1e-2
@@ -77,13 +75,15 @@ def check(label: str, device: torch.device, batch: int, tokens: int) -> Dict:
                 passed=errors[worst] <= max(FACTOR * reference[worst], FLOOR), first_run_s=seconds)
 
 
-def _triton_on_cpu() -> None:
-    """The dry run (CPU, Triton's interpreter): the Triton core registered for CPU tensors,
-    as the tests register it (the library registers it for CUDA only)."""
+def triton_on_cpu() -> None:
+    """The Triton core registered for CPU tensors, where Triton runs its interpreter (the
+    library registers it for CUDA only): for this step's dry run and for the tests
+    (tests/conftest.py)."""
     from dcvit import fused
     from dcvit.kernels import triton_core
     if not triton_core.interpreted():
-        raise SystemExit("on CPU the Triton kernels run only in Triton's interpreter: set TRITON_INTERPRET=1")
+        raise RuntimeError("on CPU the Triton kernels run only in Triton's interpreter: set "
+                           "TRITON_INTERPRET=1 before triton is imported")
     if ("cpu", "triton") not in fused._CORES:
         fused.register_core("cpu", "triton", *fused._CORES[("cuda", "triton")])
 
@@ -96,9 +96,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
+    os.environ.setdefault("DCVIT_TRITON_AUTOTUNE", "0")
     device = torch.device(a.device)
     if device.type == "cpu":
-        _triton_on_cpu()
+        triton_on_cpu()
     result = {"device": str(device), "models": {}}
     for label in a.models:
         try:
