@@ -232,7 +232,7 @@ def _smoke_s(compiled: bool) -> Callable:
                        + (2 * TORCH_COMPILE if compiled else 0.0))
 
 
-# Most valuable first (issue 28): the environment and the chosen core; the kernels against
+# Most valuable first: the environment and the chosen core; the kernels against
 # the reference; their times next to SDPA and the estimate; DCViT against ViT in eager mode;
 # the training loop's overhead; then, while the budget lasts, smoke training and compiled figures.
 STEPS = (
