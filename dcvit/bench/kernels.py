@@ -65,6 +65,7 @@ class Variant:
     num_warps: int
     num_stages: int = 3
     G: int = 1
+    maxnreg: Optional[int] = None
 
     @property
     def name(self) -> str:
@@ -113,7 +114,7 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
             kernels, archs, heads, dims, dtypes, masks, stages):
         for c in block_sizes(H, kernel, arch):
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
-                               c["num_stages"], c["G"]))
+                               c["num_stages"], c["G"], c.get("maxnreg")))
     return out
 
 
@@ -212,7 +213,7 @@ def compile_variant(v: Variant) -> Dict:
             attrs[(i,)] = CUDABackend.parse_attr(spec)
     try:
         src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
+        options = {"num_warps": v.num_warps, "num_stages": v.num_stages, "maxnreg": v.maxnreg}
         compiled = triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=options)
         ptx = compiled.asm["ptx"]
         gpu = f"sm_{v.arch}a" if v.arch >= 90 else f"sm_{v.arch}"

@@ -33,6 +33,7 @@ __all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_o
            "attention_forward", "attention_backward", "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
+MAX_REGISTERS = 255       # a thread's registers: the hardware's bound, stated to ptxas (`block_sizes`)
 
 _TRITON_VERSION: Optional[str] = None
 try:
@@ -189,7 +190,10 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     the key kernel's heads split between G = 2 programs per key block (each recomputes the
     scores and Compose of all heads for the accumulators of half). A Triton whose `tl.dot`
     takes no 8-row side (3.4, `dot_min`) gets blocks of 16 instead, and at 16 padded heads
-    both backward kernels split their heads between two programs."""
+    both backward kernels split their heads between two programs. Every candidate states
+    the register bound of a thread, ``maxnreg`` = `MAX_REGISTERS` (PTX ``.maxnreg``):
+    without it ptxas fits a light variant (fewer stages, 3 or 6 heads) in 128 registers, for
+    two blocks per SM, and spills a few bytes to do so."""
     wide = _padded_heads(H) > 8
     if kernel == "forward_kernel":
         blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide else [])
@@ -200,7 +204,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     rows = max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) if available() else 1
     if min(min(bt, bs) for bt, bs, _ in blocks) < rows:
         blocks = [b for b in blocks if min(b[:2]) >= rows] or [(16, 16, 2 if wide else 1)]
-    return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1) for bt, bs, g in blocks]
+    return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS) for bt, bs, g in blocks]
 
 
 _tuned: Dict[Tuple[str, int, int], object] = {}
@@ -223,12 +227,14 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
     arch = _arch(device)
     if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
         c = block_sizes(H, name, arch)[0]
-        kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"], **kwargs)
+        kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"],
+                                                          num_warps=c["num_warps"], num_stages=c["num_stages"],
+                                                          maxnreg=c["maxnreg"], **kwargs)
         return
     key = (name, H, arch)
     if key not in _tuned:
         configs = [triton.Config({"BT": c["BT"], "BS": c["BS"], "G": c["G"]}, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"]) for c in block_sizes(H, name, arch)]
+                                 num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name, arch)]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
     _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **kwargs)
 
