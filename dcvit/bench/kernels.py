@@ -325,8 +325,9 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     `tl.dot` takes only padded (`dot_min`: the head mixing's 8-head contraction under
     3.4-3.7, 8-head rows and columns under 3.4) counts twice, as it is computed. A head
     mixing padded in its contraction runs on bf16 operands for 2-byte ones
-    (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (each
-    side's tile and matrices, 0.5 operation per element: a cvt packs two) as ``fp32``."""
+    (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
+    stage the tile, whose cast the compiled kernels share between the two sides, and each
+    side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
     from dcvit.kernels.triton_core import block_sizes, dot_min, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
@@ -340,8 +341,9 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     m, n, k = dot_min(32, 90)
     heads_out = 2 if hp // c["G"] < max(m, n) else 1    # a product's columns: the output heads
     compose *= (2 if hp < k else 1) * heads_out         # Compose: (cols, heads) @ (heads, heads)
-    mix_bf16 = hp < k and half == 2                     # padded in K: bf16 operands, cast per side:
-    casts = 2 * tile + (c["BT"] + c["BS"]) * hp * hp    # the tile and the matrices of its tokens
+    mix_bf16 = hp < k and half == 2                     # padded in K: bf16 operands, cast per stage:
+    casts = tile + (c["BT"] + c["BS"]) * hp * hp        # the tile (both sides share its cast, as
+                                                        # compiled) and both sides' matrices
     dm = mix * (2 if hp < max(m, n) else 1) * heads_out # dM: (heads, cols) @ (cols, heads)
     if kernel == "forward_kernel":
         bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
