@@ -23,7 +23,9 @@ heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest contrac
 float32 `tl.dot` takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
 lanes are masked. Where the running Triton's `tl.dot` wants more (3.4-3.7: a contraction of
 16; 3.4: 16 rows and columns too, `triton_core.dot_min`) `_mm` doubles the small side with
-zeros between its values, inside the product, and drops the padding from the result.
+zeros between its values, inside the product, and drops the padding from the result. A
+mixing so padded in its contraction runs on bf16 operands for bf16/fp16 inputs (TF32
+otherwise): twice TF32's rate pays for the padding.
 
 Registers. A program's tiles of all heads must fit 255 registers per thread at 8 warps
 without spilling (tests/test_kernel_resources.py). Three things make 16 padded heads fit:

@@ -13,7 +13,9 @@ Operands: q, k, v (B, H, N, D) on any strides, float32/bfloat16/float16 (product
 dtype with float32 accumulation; float32 products in full precision, not TF32); the
 matrices are float32 (cast otherwise), and Compose's head mixing and the matrices'
 gradients run on float32 tiles: in full precision for float32 operands, on TF32 tensor
-cores for bf16/fp16 ones (a relative rounding of 2⁻¹¹, below the operands' own);
+cores for bf16/fp16 ones (a relative rounding of 2⁻¹¹, below the operands' own; the head
+mixing on bf16 ones, 2⁻⁸, where the running Triton takes its contraction only padded:
+`triton_attention._mm`);
 ``mq`` (B|1, T|1, H, H), ``mk`` (B, S, H, H); the mask additive, broadcastable to
 (B, H, T, S). Up to `MAX_HEADS` heads, any N (keys are processed in blocks).
 
