@@ -115,9 +115,9 @@ def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.cons
     operands) or "tf32" (bf16/fp16). Under "tf32" a product padded in K runs on bfloat16
     operands instead (a and b rounded to bf16, float32 accumulation): twice TF32's rate, so
     the padding costs what an unpadded TF32 product would; bf16 keeps float32's exponent
-    range. "exact" (the interpreter's "tf32"; it cannot multiply bf16 tiles): the products
-    taken exactly in float32 (`_dot`), the bf16 one's of the operands rounded as a GPU
-    rounds them (`_round_bf16`)."""
+    range. "exact" (the interpreter's "tf32"; it cannot multiply bf16 tiles): each product
+    taken exactly in float32 (`_dot`), the bf16 one on operands rounded as a GPU rounds
+    them (`_round_bf16`)."""
     M: tl.constexpr = a.shape[1]
     N: tl.constexpr = b.shape[2]
     K: tl.constexpr = a.shape[2]
