@@ -215,13 +215,13 @@ def test_head_groups_in_every_kernel(monkeypatch):
 
 @pytest.mark.parametrize("mins", [(1, 1, 16), (16, 16, 16)], ids=["triton3.5-3.7", "triton3.4"])
 @pytest.mark.parametrize("H", [3, pytest.param(9, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, H, dtype):
     """Where the running Triton's `tl.dot` wants a contraction of 16 (3.5-3.7), or 16 rows
     and columns too (3.4), Compose's head mixing over 8 padded heads and the matrix
     gradients are padded with zeros, and 3.4 gets 16-row blocks: the same formula. With
-    bf16 operands the padded mixing runs in bf16 (`triton_attention._mm`): within the
-    half-precision tolerance of `test_half_precision_within_tolerance`."""
+    bf16 or fp16 operands the padded mixing runs in bf16 (`triton_attention._mm`): within
+    the half-precision tolerance of `test_half_precision_within_tolerance`."""
     monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: mins)
     if mins[0] == 16:
         assert all(min(c["BT"], c["BS"]) == 16 for k in ("forward_kernel", "backward_query_kernel",
