@@ -215,16 +215,65 @@ def test_head_groups_in_every_kernel(monkeypatch):
 
 @pytest.mark.parametrize("mins", [(1, 1, 16), (16, 16, 16)], ids=["triton3.5-3.7", "triton3.4"])
 @pytest.mark.parametrize("H", [3, pytest.param(9, marks=pytest.mark.slow)])
-def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, H):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, H, dtype):
     """Where the running Triton's `tl.dot` wants a contraction of 16 (3.5-3.7), or 16 rows
     and columns too (3.4), Compose's head mixing over 8 padded heads and the matrix
-    gradients are padded with zeros, and 3.4 gets 16-row blocks: the same formula."""
+    gradients are padded with zeros, and 3.4 gets 16-row blocks: the same formula. With
+    bf16 or fp16 operands the padded mixing runs in bf16 (`triton_attention._mm`): within
+    the half-precision tolerance of `test_half_precision_within_tolerance`."""
     monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: mins)
     if mins[0] == 16:
         assert all(min(c["BT"], c["BS"]) == 16 for k in ("forward_kernel", "backward_query_kernel",
                                                           "backward_key_kernel")
                    for c in triton_core.block_sizes(H, k))
-    _assert_matches(*_case(1, H, 19, 21, 16, seed=23), scale=16 ** -0.5)
+    inputs, mask, mats = _case(1, H, 19, 21, 16, seed=23)
+    if dtype == torch.float32:
+        _assert_matches(inputs, mask, mats, scale=16 ** -0.5)
+        return
+    inputs = [t.to(dtype) for t in inputs]
+    out, grads = _grads(_kernel, inputs, mask, mats, 16 ** -0.5)
+    want, wgrads = _grads(_reference64, [t.float() for t in inputs], mask, mats, 16 ** -0.5)
+    for name, a, b in zip(("out",) + NAMES, (out,) + tuple(grads), (want,) + tuple(wgrads)):
+        err = (a.double() - b).abs().max().item()
+        assert err <= 2e-2 * b.abs().max().item(), f"{name}: {err} vs max {b.abs().max().item()}"
+
+
+def test_padded_mixing_in_bf16_rounds_its_operands(monkeypatch):
+    """With bf16 operands and a contraction the running Triton takes only padded (dot_min
+    as 3.5-3.7 state it), Compose's head mixing multiplies bf16-rounded operands: the row
+    statistics (lse, float32) of pre-compose equal a float64 formula that rounds the scores
+    and both matrices to bf16 before mixing, and differ from the float32 operands' (full
+    precision, padded with zeros) by a bf16-sized amount. q and k on a grid of 1/16 make
+    the scores exact in float32 whatever the order of their sums, so both roundings see
+    the same scores."""
+    monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: (1, 1, 16))
+    g = torch.Generator().manual_seed(31)
+    H, T, S, D = 3, 19, 21, 16
+    q, k = (torch.round(16 * torch.randn(1, H, n, D, generator=g)) / 16 for n in (T, S))
+    v = torch.randn(1, H, S, D, generator=g)
+    mq = torch.eye(H) + 0.5 * torch.randn(1, T, H, H, generator=g)
+    mk = 0.5 * torch.randn(1, S, H, H, generator=g)
+    scale = 0.25
+
+    def lse(dtype):
+        qkv = [t.to(DEVICE, dtype) for t in (q, k, v)]
+        return triton_core.attention_forward(*qkv, None, mq.to(DEVICE), mk.to(DEVICE), None, None,
+                                             scale)[1].double().cpu()
+
+    def formula(r):
+        s0 = scale * q.double() @ k.double().transpose(-1, -2)              # exact in float32
+        a = r(s0)
+        x = torch.einsum("bgts,btgh->bhts", a, r(mq.double())) + torch.einsum("bgts,bsgh->bhts", a, r(mk.double()))
+        return torch.logsumexp(x, -1)
+    assert torch.equal(q.bfloat16().float(), q) and torch.equal(k.bfloat16().float(), k)
+    bf16, fp32 = lse(torch.bfloat16), lse(torch.float32)
+    rounded, exact = formula(lambda x: x.float().bfloat16().double()), formula(lambda x: x)
+    top = float(exact.abs().max())
+    assert (bf16 - rounded).abs().max() <= 2e-6 * top
+    assert (fp32 - exact).abs().max() <= 2e-6 * top
+    gap = float((bf16 - fp32).abs().max())
+    assert 2 ** -14 * top <= gap <= 2 ** -6 * top, gap
 
 
 def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):

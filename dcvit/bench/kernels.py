@@ -324,7 +324,11 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     once (re-reads of k, v and the matrices across a sequence's blocks are L2 hits: one
     sequence's working set is under 1 MB). A product side that the running Triton's
     `tl.dot` takes only padded (`dot_min`: the head mixing's 8-head contraction under
-    3.4-3.7, 8-head rows and columns under 3.4) counts twice, as it is computed."""
+    3.4-3.7, 8-head rows and columns under 3.4) counts twice, as it is computed. A head
+    mixing padded in its contraction runs on bf16 operands for 2-byte ones
+    (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
+    stage the tile, whose cast the compiled kernels share between the two sides, and each
+    side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
     from dcvit.kernels.triton_core import block_sizes, dot_min, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
@@ -338,6 +342,9 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     m, n, k = dot_min(32, 90)
     heads_out = 2 if hp // c["G"] < max(m, n) else 1    # a product's columns: the output heads
     compose *= (2 if hp < k else 1) * heads_out         # Compose: (cols, heads) @ (heads, heads)
+    mix_bf16 = hp < k and half == 2                     # padded in K: bf16 operands, cast per stage:
+    casts = tile + (c["BT"] + c["BS"]) * hp * hp        # the tile (both sides share its cast, as
+                                                        # compiled) and both sides' matrices
     dm = mix * (2 if hp < max(m, n) else 1) * heads_out # dM: (heads, cols) @ (cols, heads)
     if kernel == "forward_kernel":
         bf16 = 2 * qk + qk                              # q·kᵀ in both passes, p·v
@@ -355,7 +362,10 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
         stages, grads = g * 2 + 2, 2                    # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
         ops = g * (1 + 1 + 1 + 1 + 2 + 2) + 2 + 2       # scale, where, sub, where, ds, 2 compose adds; 2 adds, casts
         exps = g
-    tf32 = stages * compose + grads * dm
+    if mix_bf16:
+        bf16, tf32, cast_ops = bf16 + stages * compose, grads * dm, stages * casts / 2
+    else:
+        tf32, cast_ops = stages * compose + grads * dm, 0
     tok = B * N * H                                     # (token, head) pairs
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
     # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)
@@ -363,7 +373,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
                      "backward_query_kernel": ((4, 1, 4), (1, 1, 2)),
                      "backward_key_kernel": ((4, 2, 4), (2, 0, 2))}[kernel]
     nbytes = sum(n * size for n, size in zip(reads + writes, 2 * (tok * D * half, tok * 4, tok * H * 4)))
-    return dict(bf16=pairs * bf16, tf32=pairs * tf32, fp32=pairs * tile * ops, exp=pairs * tile * exps,
+    return dict(bf16=pairs * bf16, tf32=pairs * tf32, fp32=pairs * (tile * ops + cast_ops), exp=pairs * tile * exps,
                 bytes=nbytes)
 
 

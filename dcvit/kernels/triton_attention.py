@@ -23,7 +23,9 @@ heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest contrac
 float32 `tl.dot` takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
 lanes are masked. Where the running Triton's `tl.dot` wants more (3.4-3.7: a contraction of
 16; 3.4: 16 rows and columns too, `triton_core.dot_min`) `_mm` doubles the small side with
-zeros between its values, inside the product, and drops the padding from the result.
+zeros between its values, inside the product, and drops the padding from the result. A
+mixing so padded in its contraction runs on bf16 operands for bf16/fp16 inputs (TF32
+otherwise): twice TF32's rate pays for the padding.
 
 Registers. A program's tiles of all heads must fit 255 registers per thread at 8 warps
 without spilling (tests/test_kernel_resources.py). Three things make 16 padded heads fit:
@@ -94,19 +96,43 @@ def _unpad2(x):
 
 
 @triton.jit
+def _round_bf16(x):
+    """float32 x rounded to the nearest bfloat16, ties to even, as a GPU's cvt.rn rounds
+    it (the interpreter's own cast truncates), kept in float32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """``acc + a @ b`` for float32 (X, M, K) and (X, K, N) tiles, one batched `tl.dot`. A side
     smaller than the running Triton's `tl.dot` takes (M or N below DOT_MN, K below DOT_K,
     `triton_core.dot_min`; at most by half: 8 padded heads where it wants 16) is doubled
     with zeros between its values and the product's padding dropped: Compose's head mixing
     at 8 padded heads under Triton 3.4-3.7 (K), and under 3.4 the 8 heads of a product's
-    columns or rows (N, M)."""
+    columns or rows (N, M). PRECISION is `triton_core._flags`' MIX: "ieee" (float32
+    operands) or "tf32" (bf16/fp16). Under "tf32" a product padded in K runs on bfloat16
+    operands instead (a and b rounded to bf16, float32 accumulation): twice TF32's rate, so
+    the padding costs what an unpadded TF32 product would; bf16 keeps float32's exponent
+    range. "exact" (the interpreter's "tf32"; it cannot multiply bf16 tiles): each product
+    taken exactly in float32 (`_dot`), the bf16 one on operands rounded as a GPU rounds
+    them (`_round_bf16`)."""
     M: tl.constexpr = a.shape[1]
     N: tl.constexpr = b.shape[2]
     K: tl.constexpr = a.shape[2]
     if (M >= DOT_MN and N >= DOT_MN) and K >= DOT_K:
-        out = tl.dot(a, b, acc, input_precision=PRECISION)
+        if PRECISION == "exact":
+            out = _dot(a, b, PRECISION) + acc
+        else:
+            out = tl.dot(a, b, acc, input_precision=PRECISION)
     else:
+        if K < DOT_K and PRECISION == "tf32":               # a bf16 product (cast before the
+            a = a.to(tl.bfloat16)                           # padding: a cvt packs two values)
+            b = b.to(tl.bfloat16)
+        if K < DOT_K and PRECISION == "exact":
+            a = _round_bf16(a)
+            b = _round_bf16(b)
         if K < DOT_K:                                       # contraction: zeros in a, b's rows doubled
             a = _pad2(a)
             bt = tl.permute(b, (0, 2, 1))
@@ -115,7 +141,10 @@ def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.cons
             a = tl.permute(_pad2(tl.permute(a, (0, 2, 1))), (0, 2, 1))
         if N < DOT_MN:                                      # columns: b's doubled, zeros between
             b = _pad2(b)
-        out = tl.dot(a, b, input_precision=PRECISION)
+        if PRECISION == "exact":
+            out = _dot(a, b, PRECISION)
+        else:
+            out = tl.dot(a, b, input_precision=PRECISION)
         if N < DOT_MN:                                      # the product's padding dropped
             out = _unpad2(out)
         if M < DOT_MN:

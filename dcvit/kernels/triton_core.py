@@ -13,7 +13,9 @@ Operands: q, k, v (B, H, N, D) on any strides, float32/bfloat16/float16 (product
 dtype with float32 accumulation; float32 products in full precision, not TF32); the
 matrices are float32 (cast otherwise), and Compose's head mixing and the matrices'
 gradients run on float32 tiles: in full precision for float32 operands, on TF32 tensor
-cores for bf16/fp16 ones (a relative rounding of 2⁻¹¹, below the operands' own);
+cores for bf16/fp16 ones (a relative rounding of 2⁻¹¹, below the operands' own; the head
+mixing on bf16 ones, 2⁻⁸, where the running Triton takes its contraction only padded:
+`triton_attention._mm`);
 ``mq`` (B|1, T|1, H, H), ``mk`` (B, S, H, H); the mask additive, broadcastable to
 (B, H, T, S). Up to `MAX_HEADS` heads, any N (keys are processed in blocks).
 
@@ -281,7 +283,7 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
                 HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype),
-                MIX="ieee" if q.dtype == torch.float32 else "tf32", DOT_MN=max(m, n), DOT_K=k)
+                MIX=_mix_precision(q.dtype), DOT_MN=max(m, n), DOT_K=k)
 
 
 def _padded_heads(H: int) -> int:
@@ -298,6 +300,15 @@ def _precision(dtype: torch.dtype) -> str:
     if interpreted() and dtype in (torch.float32, torch.bfloat16):
         return "exact"
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _mix_precision(dtype: torch.dtype) -> str:
+    """Compose's precision (MIX; `triton_attention._mm`): float32 operands in full ("ieee"),
+    bf16/fp16 ones on TF32 tensor cores ("tf32"; bf16 ones where the contraction is padded);
+    in the interpreter, for bf16/fp16, those products taken exactly ("exact")."""
+    if dtype == torch.float32:
+        return "ieee"
+    return "exact" if interpreted() else "tf32"
 
 
 def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
