@@ -59,7 +59,9 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
 
 All loads and stores go through explicit strides (q, k, v may be views of the qkv
 projection). The kernels never import the dispatcher; `dcvit.kernels.triton_core`
-launches them.
+launches them. The module runs past 400 lines because the three kernels and the tile
+helpers they share (`_mm`, `_mix`, `_compose`, the halved loads and accumulators) are read,
+compiled and checked for registers together (`dcvit.bench.kernels`).
 """
 import triton
 import triton.language as tl
