@@ -143,10 +143,7 @@ def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.cons
             a = tl.permute(_pad2(tl.permute(a, (0, 2, 1))), (0, 2, 1))
         if N < DOT_MN:                                      # columns: b's doubled, zeros between
             b = _pad2(b)
-        if PRECISION == "exact":
-            out = _dot(a, b, PRECISION)
-        else:
-            out = tl.dot(a, b, input_precision=PRECISION)
+        out = _dot(a, b, PRECISION)
         if N < DOT_MN:                                      # the product's padding dropped
             out = _unpad2(out)
         if M < DOT_MN:
