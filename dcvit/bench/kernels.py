@@ -169,6 +169,19 @@ def _ptxas_figures(text: str) -> Dict[str, int]:
                 static_smem=grab(r"(\d+) bytes smem"))
 
 
+def _sass_figures(sass: str) -> Dict[str, int]:
+    """Static instruction counts of one kernel's machine code (``cuobjdump -sass``): all of
+    them (``sass``) and those inside its loops (``sass_loop``; a loop runs from a backward
+    branch's target to the branch, 16 bytes an instruction; the kernels nest no loops)."""
+    ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loop = 0
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loop += (addr - int(m.group(1), 16)) // 16 + 1
+    return dict(sass=len(ins), sass_loop=loop)
+
+
 def _specialize(backend, arg):
     """(kind, specialization) of a launch argument as the running Triton's launcher computes
     it: its native function from 3.6, the Python one before."""
@@ -221,8 +234,13 @@ def compile_variant(v: Variant) -> Dict:
             path = os.path.join(tmp, "k.ptx")
             with open(path, "w") as f:
                 f.write(ptx)
-            log = subprocess.run([ptxas(v.arch), "-v", f"--gpu-name={gpu}", path, "-o", os.path.join(tmp, "k.cubin")],
+            cubin = os.path.join(tmp, "k.cubin")
+            log = subprocess.run([ptxas(v.arch), "-v", f"--gpu-name={gpu}", path, "-o", cubin],
                                  capture_output=True, text=True, check=True).stderr
+            objdump = os.path.join(os.path.dirname(ptxas(v.arch)), "cuobjdump")
+            if os.path.exists(objdump):
+                row.update(_sass_figures(subprocess.run([objdump, "-sass", cubin], capture_output=True,
+                                                        text=True, check=True).stdout))
     except Exception as e:  # noqa: BLE001  (out of resources, compiler errors: a figure too)
         row["error"] = _error_line(e)
         return row
@@ -306,8 +324,10 @@ def summary(rows: Sequence[Dict]) -> str:
 
 # H100 SXM published peaks: dense bf16 tensor cores, TF32 tensor cores (half of bf16), fp32
 # CUDA cores (an FMA counted as 2 FLOPs: 132 SMs x 128 lanes x 1.98 GHz x 2), the special
-# function unit's exp (16 per SM per clock, 1/8 of the FMA lanes) and HBM3 bandwidth.
-H100 = dict(name="H100 SXM", bf16=989e12, tf32=494.5e12, fp32=67e12, exp=67e12 / 16, hbm=3.35e12)
+# function unit's exp (16 per SM per clock, 1/8 of the FMA lanes) and HBM3 bandwidth; and
+# the instruction issue: 132 SMs of 4 schedulers, each issuing one warp instruction a clock.
+H100 = dict(name="H100 SXM", bf16=989e12, tf32=494.5e12, fp32=67e12, exp=67e12 / 16, hbm=3.35e12,
+            sms=132, schedulers=4, clock=1.98e9)
 MODELS = {"S/16": ("dcvit_small_patch16_224", "vit_small_patch16_224"),
           "B/16": ("dcvit_base_patch16_224", "vit_base_patch16_224")}
 
@@ -377,12 +397,26 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
                 bytes=nbytes)
 
 
+def warp_instructions(row: Dict, B: int, N: int) -> float:
+    """The warp instructions one launch of a compiled variant (a `compile_variant` row with
+    its machine code counted) issues over B sequences of N tokens: per program its code
+    outside the loops once and its loops' once per block visited, times its warps; programs
+    per (row block, head group, sequence) as `triton_core` launches them."""
+    nt, ns = -(-N // row["BT"]), -(-N // row["BS"])
+    blocks, visits = (ns, nt) if row["kernel"] == "backward_key_kernel" else (nt, ns)
+    per_program = row["sass"] - row["sass_loop"] + visits * row["sass_loop"]
+    return float(B * blocks * row["G"] * row["num_warps"] * per_program)
+
+
 def roofline_ms(work: Dict[str, float], gpu: Dict = H100) -> Dict[str, float]:
-    """Milliseconds per unit at the published peaks; the estimate is the slowest unit (the
-    units overlap at best: a lower bound of the kernel's time)."""
+    """Milliseconds per unit at the published peaks, and, where the compiled code was
+    counted (``warp_instructions``), at the schedulers' issue rate; the estimate is the
+    slowest unit (the units overlap at best: a lower bound of the kernel's time)."""
     t = dict(tensor=1e3 * (work["bf16"] / gpu["bf16"] + work["tf32"] / gpu["tf32"]),
              cuda=1e3 * (work["fp32"] / (gpu["fp32"] / 2) + work["exp"] / gpu["exp"]),
              memory=1e3 * work["bytes"] / gpu["hbm"])
+    if work.get("warp_instructions"):
+        t["issue"] = 1e3 * work["warp_instructions"] / (gpu["sms"] * gpu["schedulers"] * gpu["clock"])
     t["estimate"] = max(t.values())
     return t
 
@@ -396,23 +430,51 @@ def sdpa_work(B: int, H: int, N: int, D: int) -> Dict[str, Dict[str, float]]:
             "backward": dict(bf16=5 * mm, tf32=0, fp32=6 * B * H * N * N, exp=B * H * N * N, bytes=8 * tok)}
 
 
-def estimate(batch: int = 256) -> Dict:
-    """Per model: each kernel's work and roofline time for one layer, the layers' total, and
-    the training-step ratio DCViT / ViT (SDPA) when the dense layers (same in both, plus
-    DCViT's dynamic-weight projections) run at the same tensor-core peak."""
+def _compiled_production(shapes: Sequence[tuple], jobs: int) -> tuple:
+    """Each kernel compiled for sm_90 as DCViT trains with it (bf16, no mask, both stages with
+    both sides, the first `block_sizes` candidate) at each (heads, head dim): ({(kernel, H):
+    row}, None), or ({}, why not) where it cannot be compiled and counted here."""
+    if triton_module() is None or ptxas(90) is None:
+        return {}, "no Triton with a ptxas for sm_90 here"
+    if not os.path.exists(os.path.join(os.path.dirname(ptxas(90)), "cuobjdump")):
+        return {}, "no cuobjdump next to Triton's ptxas"
+    from dcvit.kernels.triton_core import block_sizes
+    vs = [Variant(k, 90, H, D, "bf16", False, "qk", "qk", **block_sizes(H, k, 90)[0])
+          for H, D in shapes for k in KERNELS]
+    rows = measure(vs, jobs)
+    bad = [r["name"] for r in rows if "sass" not in r]
+    if bad:
+        return {}, f"{bad[0]} did not compile"
+    return {(r["kernel"], r["H"]): r for r in rows}, None
+
+
+def estimate(batch: int = 256, jobs: int = 2) -> Dict:
+    """Per model: each kernel's work and roofline time for one layer, with its issue time
+    where the running Triton compiles it for sm_90 here (`warp_instructions`), the layers'
+    total, and the training-step ratio DCViT / ViT (SDPA) when the dense layers (same in
+    both, plus DCViT's dynamic-weight projections) run at the same tensor-core peak; also
+    the ratio without the issue times (``train_ratio_roofline``)."""
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from dcvit.accounting import analytic_macs
     tri = triton_module()
+    nets = {label: (timm.create_model(dc_name), timm.create_model(vit_name))
+            for label, (dc_name, vit_name) in MODELS.items()}
+    shapes = {label: (dc.blocks[0].attn.num_heads, dc.embed_dim // dc.blocks[0].attn.num_heads)
+              for label, (dc, _) in nets.items()}
+    compiled, not_counted = _compiled_production(sorted(set(shapes.values())), jobs)
     out = {"gpu": H100, "batch": batch, "models": {},
-           "triton": tri.__version__ if tri else None}       # its tl.dot sizes decide the padding counted
-    for label, (dc_name, vit_name) in MODELS.items():
-        dc = timm.create_model(dc_name)
-        vit = timm.create_model(vit_name)
-        H, D = dc.blocks[0].attn.num_heads, dc.embed_dim // dc.blocks[0].attn.num_heads
+           "triton": tri.__version__ if tri else None,       # its tl.dot sizes decide the padding counted
+           "issue_counted": not_counted is None, "issue_not_counted": not_counted}
+    for label, (dc, vit) in nets.items():
+        (H, D), (dc_name, vit_name) = shapes[label], MODELS[label]
         N, depth = dc.patch_embed.num_patches + dc.num_prefix_tokens, len(dc.blocks)
-        kernels = {SHORT[k]: dict(kernel_work(k, batch, H, N, D)) for k in KERNELS}
-        for w in kernels.values():
+        kernels = {}
+        for k in KERNELS:
+            w = kernels[SHORT[k]] = dict(kernel_work(k, batch, H, N, D))
+            if compiled:
+                w["warp_instructions"] = warp_instructions(compiled[(k, H)], batch, N)
+                w["registers"] = compiled[(k, H)]["registers"]
             w.update(roofline_ms(w))
         sdpa = sdpa_work(batch, H, N, D)
         for w in sdpa.values():
@@ -423,12 +485,14 @@ def estimate(batch: int = 256) -> Dict:
         dense_ms = {name: 1e3 * 3 * 2 * sum(m[k] for k in dense) / H100["bf16"]
                     for name, m in (("dcvit", macs_dc), ("vit", macs_vit))}
         core_dc = depth * sum(w["estimate"] for w in kernels.values())
+        roof_dc = depth * sum(max(w["tensor"], w["cuda"], w["memory"]) for w in kernels.values())
         core_vit = depth * sum(w["estimate"] for w in sdpa.values())
         step_dc, step_vit = dense_ms["dcvit"] + core_dc, dense_ms["vit"] + core_vit
         out["models"][label] = dict(
             dcvit=dc_name, vit=vit_name, heads=H, head_dim=D, tokens=N, depth=depth,
             kernels=kernels, sdpa=sdpa, dense_ms=dense_ms, core_ms=dict(dcvit=core_dc, vit=core_vit),
-            step_ms=dict(dcvit=step_dc, vit=step_vit), train_ratio=step_vit / step_dc)
+            step_ms=dict(dcvit=step_dc, vit=step_vit), train_ratio=step_vit / step_dc,
+            train_ratio_roofline=step_vit / (dense_ms["dcvit"] + roof_dc))
     return out
 
 
@@ -438,22 +502,28 @@ def estimate_table(est: Dict) -> str:
     lines = [f"{g['name']}: {g['bf16'] / 1e12:.0f} TFLOP/s bf16 tensor, {g['tf32'] / 1e12:.0f} TF32, "
              f"{g['fp32'] / 1e12:.0f} fp32 (FMA = 2), {g['exp'] / 1e12:.1f} T exp/s, "
              f"{g['hbm'] / 1e12:.2f} TB/s; batch {est['batch']}, bf16, one layer; "
-             f"kernels as Triton {est.get('triton')} compiles them", "",
-             "| model | kernel | bf16 TC GFLOP | TF32 TC GFLOP | CUDA-core GFLOP | exp G | MB | tensor ms | "
-             "CUDA-core ms | memory ms | estimate ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"kernels as Triton {est.get('triton')} compiles them; issue: {g['sms']} SMs x "
+             f"{g['schedulers']} schedulers x {g['clock'] / 1e9:.2f} GHz, one warp instruction a clock"
+             + ("" if est.get("issue_counted") else f" (not counted: {est.get('issue_not_counted')})"), "",
+             "| model | kernel | bf16 TC GFLOP | TF32 TC GFLOP | CUDA-core GFLOP | exp G | MB | G warp instr | "
+             "tensor ms | CUDA-core ms | memory ms | issue ms | estimate ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in est["models"].items():
         rows = list(m["kernels"].items()) + [(f"SDPA {k}", w) for k, w in m["sdpa"].items()]
         for name, w in rows:
+            wi, issue = w.get("warp_instructions"), w.get("issue")
             lines.append(f"| {label} (H={m['heads']}) | {name} | {w['bf16'] / 1e9:.1f} | {w['tf32'] / 1e9:.1f} | "
                          f"{w['fp32'] / 1e9:.1f} | {w['exp'] / 1e9:.2f} | {w['bytes'] / 1e6:.0f} | "
-                         f"{w['tensor']:.3f} | {w['cuda']:.3f} | {w['memory']:.3f} | {w['estimate']:.3f} |")
+                         f"{'-' if wi is None else f'{wi / 1e9:.2f}'} | {w['tensor']:.3f} | {w['cuda']:.3f} | "
+                         f"{w['memory']:.3f} | {'-' if issue is None else f'{issue:.3f}'} | {w['estimate']:.3f} |")
     lines += ["", "| model | layers | dense layers, train step ms (DCViT / ViT) | attention cores ms "
-              "(DCViT / SDPA) | step ms (DCViT / ViT) | training ratio ViT/DCViT |", "|---|---|---|---|---|---|"]
+              "(DCViT / SDPA) | step ms (DCViT / ViT) | training ratio ViT/DCViT | without the issue times |",
+              "|---|---|---|---|---|---|---|"]
     for label, m in est["models"].items():
         lines.append(f"| {label} | {m['depth']} | {m['dense_ms']['dcvit']:.1f} / {m['dense_ms']['vit']:.1f} | "
                      f"{m['core_ms']['dcvit']:.1f} / {m['core_ms']['vit']:.1f} | "
-                     f"{m['step_ms']['dcvit']:.1f} / {m['step_ms']['vit']:.1f} | {m['train_ratio']:.2f} |")
+                     f"{m['step_ms']['dcvit']:.1f} / {m['step_ms']['vit']:.1f} | {m['train_ratio']:.2f} | "
+                     f"{m['train_ratio_roofline']:.2f} |")
     return "\n".join(lines)
 
 
@@ -511,12 +581,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--estimate", action="store_true",
-                   help="print the expected H100 times of DCViT-S/16 and B/16 instead (no compiling)")
+                   help="print the expected H100 times of DCViT-S/16 and B/16 instead (compiles 6 variants)")
     p.add_argument("--measure", action="store_true",
                    help="with --estimate on a CUDA machine: time the kernels and SDPA next to the estimates")
     a = p.parse_args(argv)
     if a.estimate:
-        est = estimate()
+        est = estimate(jobs=a.jobs)
         print(estimate_table(est))
         if a.measure:
             est["measured"] = measure_on_gpu(est)
