@@ -57,8 +57,10 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
   deterministic, no atomics, no per-query-block partial buffers. Its tiles are
   ``(keys, queries, heads)``: the key side is the one its own rows index.
 
-All loads and stores go through explicit strides (q, k, v may be views of the qkv
-projection). The kernels never import the dispatcher; `dcvit.kernels.triton_core`
+Loads and stores of q, k, v and their gradients go through explicit strides (they may be
+views of the qkv projection); each token's H×H matrix is contiguous (`triton_core` makes it
+so), so its (g, h) offsets are constants: vector loads and no address arithmetic per
+element. The kernels never import the dispatcher; `dcvit.kernels.triton_core`
 launches them. The module runs past 400 lines because the three kernels and the tile
 helpers they share (`_mm`, `_mix`, `_compose`, the halved loads and accumulators) are read,
 compiled and checked for registers together (`dcvit.bench.kernels`).
@@ -159,32 +161,37 @@ def _t(x):
 
 
 @triton.jit
-def _mix(a, M, rows, n_stride, g_stride, h_stride, rows_ok, h0, HO: tl.constexpr, H: tl.constexpr,
+def _mix(a, M, rows, n_stride, TR: tl.constexpr, rows_ok, h0, HO: tl.constexpr, H: tl.constexpr,
          HP: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """``out[x, y, h] = Σ_g a[x, y, g] · M[rows[x], g, h0 + h]``: a (X, Y, HP) float32 tile
     times the H×H matrices of the tokens on its axis 0 (rows: their indices, (X, 1, 1)), one
-    batched product, for the HO output heads from h0: an (X, Y, HO) tile. Swapping g_stride
-    and h_stride applies the transposed matrices."""
+    batched product, for the HO output heads from h0: an (X, Y, HO) tile. Each token's
+    matrix is contiguous (row stride H: constant offsets, vector loads); TR applies the
+    transposed matrices."""
     g = tl.arange(0, HP)[None, :, None]
     h = h0 + tl.arange(0, HO)[None, None, :]
-    m = tl.load(M + rows * n_stride + g * g_stride + h * h_stride,
-                mask=rows_ok & (g < H) & (h < H), other=0.0)
+    if TR:
+        offsets = h * H + g
+    else:
+        offsets = g * H + h
+    m = tl.load(M + rows * n_stride + offsets, mask=rows_ok & (g < H) & (h < H), other=0.0)
     return _mm(a, m, tl.zeros((a.shape[0], a.shape[1], HO), tl.float32), MIX, DOT_MN, DOT_K)
 
 
 @triton.jit
-def _compose(a, M0, r0, n0, g0, h0, ok0, HAS0: tl.constexpr, M1, r1, n1, g1, h1, ok1,
-             HAS1: tl.constexpr, o0, HO: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+def _compose(a, M0, r0, n0, ok0, HAS0: tl.constexpr, M1, r1, n1, ok1, HAS1: tl.constexpr,
+             TR: tl.constexpr, o0, HO: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
              MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """``out[x, y, h] = Σ_g a[x, y, g] · (M0[r0[x], g, o0 + h] + M1[r1[y], g, o0 + h])`` for
     an (X, Y, HP) tile and the HO output heads from o0: M0 indexed by the tokens of axis 0,
-    M1 by those of axis 1 (r0: (X, 1, 1), r1: (Y, 1, 1); either may be absent)."""
+    M1 by those of axis 1 (r0: (X, 1, 1), r1: (Y, 1, 1); either may be absent); TR: with the
+    matrices transposed (a stage's backward)."""
     out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
-        out += _mix(a, M0, r0, n0, g0, h0, ok0, o0, HO, H, HP, MIX, DOT_MN, DOT_K)
+        out += _mix(a, M0, r0, n0, TR, ok0, o0, HO, H, HP, MIX, DOT_MN, DOT_K)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
-        out += tl.permute(_mix(at, M1, r1, n1, g1, h1, ok1, o0, HO, H, HP, MIX, DOT_MN, DOT_K), (1, 0, 2))
+        out += tl.permute(_mix(at, M1, r1, n1, TR, ok1, o0, HO, H, HP, MIX, DOT_MN, DOT_K), (1, 0, 2))
     return out
 
 
@@ -278,7 +285,7 @@ def _store_t_halves(P, off, sd, ok, acc0, acc1, D: tl.constexpr, DP: tl.constexp
 
 @triton.jit
 def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
-            MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+            MQ1, a1b, a1n, MK1, b1b, b1n,
             H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PRE: tl.constexpr,
             HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """The logits after pre-compose and the mask, -inf at padded keys, from the scaled
@@ -290,13 +297,13 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
     if Q_SIDE:
         tq, sk = t, tl.permute(s, (1, 0, 2))                         # (X, 1, 1), (1, Y, 1)
         if HAS_PRE:
-            x = _compose(s0, MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True,
-                         MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            x = _compose(s0, MQ1 + b * a1b, t, a1n, t < T, True,
+                         MK1 + b * b1b, s, b1n, s < S, HAS_MK1, False, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
     else:
         tq, sk = tl.permute(t, (1, 0, 2)), s
         if HAS_PRE:
-            x = _compose(s0, MK1 + b * b1b, s, b1n, b1g, b1h, s < S, HAS_MK1,
-                         MQ1 + b * a1b, t, a1n, a1g, a1h, t < T, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            x = _compose(s0, MK1 + b * b1b, s, b1n, s < S, HAS_MK1,
+                         MQ1 + b * a1b, t, a1n, t < T, True, False, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
     if HAS_MASK:
         x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
                      mask=(h < H) & (tq < T) & (sk < S), other=0.0).to(tl.float32)
@@ -307,8 +314,8 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
 def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                    sob, soh, sot, sod, smb, smh, smt, sms,
-                   a1b, a1n, a1g, a1h, b1b, b1n, b1g, b1h,
-                   a2b, a2n, a2g, a2h, b2b, b2n, b2g, b2h,
+                   a1b, a1n, b1b, b1n,
+                   a2b, a2n, b2b, b2n,
                    T, S, scale,
                    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                    BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -338,7 +345,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         s = start + tl.arange(0, BS)[:, None, None]
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
         l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(x - m_new[:, None, :]), axis=1)
@@ -355,12 +362,12 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         s = start + tl.arange(0, BS)[:, None, None]
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = tl.exp(x - lse[:, None, :])
         if HAS_POST:
-            p = _compose(p, MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True,
-                         MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+            p = _compose(p, MQ2 + b * a2b, t, a2n, t < T, True,
+                         MK2 + b * b2b, s, b2n, s < S, HAS_MK2, False, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             p = _group(p, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -374,8 +381,8 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
 def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK1, MQ2, MK2,
                           sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                           sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, smb, smh, smt, sms,
-                          a1b, a1n, a1g, a1h, b1b, b1n, b1g, b1h,
-                          a2b, a2n, a2g, a2h, b2b, b2n, b2g, b2h,
+                          a1b, a1n, b1b, b1n,
+                          a2b, a2n, b2b, b2n,
                           T, S, scale,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                           BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -410,7 +417,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                PRECISION)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = tl.exp(x - lse[:, None, :])
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
@@ -418,8 +425,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
         if HAS_POST:
             if WANT_DMQ2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True,
-                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, MQ2 + b * a2b, t, a2n, t < T, True,
+                          MK2 + b * b2b, s, b2n, s < S, HAS_MK2, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
         delta += tl.sum(p * dp, axis=1)
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
     if WANT_DMQ2:                                                           # stored now: not live in pass 2
@@ -437,19 +444,19 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                PRECISION)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
                                PRECISION))
         if HAS_POST:
-            dp = _compose(dp, MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True,
-                          MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, MQ2 + b * a2b, t, a2n, t < T, True,
+                          MK2 + b * b2b, s, b2n, s < S, HAS_MK2, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
         ds = tl.exp(x - lse[:, None, :]) * (dp - delta[:, None, :])        # dL/ds1
         if HAS_PRE:
             if WANT_DMQ1:
                 dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-            ds = _compose(ds, MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True,
-                          MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+            ds = _compose(ds, MQ1 + b * a1b, t, a1n, t < T, True,
+                          MK1 + b * b1b, s, b1n, s < S, HAS_MK1, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             ds = _group(ds, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -464,8 +471,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
 def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, MK1, MQ2, MK2,
                         sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
                         sgb, sgh, sgt, sgd, sdb, sdh, sds, sdd, smb, smh, smt, sms,
-                        a1b, a1n, a1g, a1h, b1b, b1n, b1g, b1h,
-                        a2b, a2n, a2g, a2h, b2b, b2n, b2g, b2h,
+                        a1b, a1n, b1b, b1n,
+                        a2b, a2n, b2b, b2n,
                         T, S, scale,
                         H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                         BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -504,14 +511,14 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         s0 = _t(_dot_by_halves(Q + b * sqb, hh * sqh + tr * sqt, sqd, hm & (tr < T), kt0, kt1, D, DP,
                                PRECISION)) * scale
         x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, a1g, a1h, MK1, b1b, b1n, b1g, b1h,
+                    MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
         stat = (b * H + h3) * T + tr
         p = tl.where(tr < T, tl.exp(x - tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0)), 0.0)
         tc = start + tl.arange(0, BT)[None, None, :]
         if HAS_POST:                                                        # dv first: p2 dies here
-            p2 = _compose(p, MK2 + b * b2b, s, b2n, b2g, b2h, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, a2g, a2h, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+            p2 = _compose(p, MK2 + b * b2b, s, b2n, s < S, HAS_MK2,
+                          MQ2 + b * a2b, t, a2n, t < T, True, False, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             p2 = _group(p, h0, HG)
         dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO + b * sgb, hg * sgh + tc * sgt, sgd, gm & (tc < T),
@@ -521,15 +528,15 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         if HAS_POST:
             if WANT_DMK2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, MK2 + b * b2b, s, b2n, b2h, b2g, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, a2h, a2g, t < T, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, MK2 + b * b2b, s, b2n, s < S, HAS_MK2,
+                          MQ2 + b * a2b, t, a2n, t < T, True, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
         ds = p * (dp - tl.load(DELTA + stat, mask=(h3 < H) & (tr < T), other=0.0))
         if HAS_PRE:
             if WANT_DMK1:
                 dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
         if HAS_PRE:
-            ds = _compose(ds, MK1 + b * b1b, s, b1n, b1h, b1g, s < S, HAS_MK1,
-                          MQ1 + b * a1b, t, a1n, a1h, a1g, t < T, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+            ds = _compose(ds, MK1 + b * b1b, s, b1n, s < S, HAS_MK1,
+                          MQ1 + b * a1b, t, a1n, t < T, True, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q + b * sqb, hg * sqh + tc * sqt, sqd, gm & (tc < T),
