@@ -278,14 +278,15 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     powers of two, which operands are present, and the precision of the q/k/v products
     (PRECISION) and of Compose's head mixing (MIX), and the smallest rows or columns (DOT_MN) and
     contraction (DOT_K) of a float32 `tl.dot` (`dot_min`): the head mixing and matrix gradients
-    are padded where they are smaller."""
+    are padded where they are smaller; FAST_EXP: the softmax's exponentials as the GPU's
+    flushing ``ex2.approx.ftz`` (`triton_attention._exp`; not in the interpreter)."""
     mq1, mk1, mq2, mk2 = mats
     H, D = q.shape[1], q.shape[3]
     m, n, k = dot_min(32, _arch(q.device))
     return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
                 HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype),
-                MIX=_mix_precision(q.dtype), DOT_MN=max(m, n), DOT_K=k)
+                MIX=_mix_precision(q.dtype), DOT_MN=max(m, n), DOT_K=k, FAST_EXP=not interpreted())
 
 
 def _padded_heads(H: int) -> int:
