@@ -24,11 +24,28 @@ def planner():
 
 
 @pytest.fixture(scope="module")
-def step_ms():
-    """dcvit.bench.kernels --estimate's training-step milliseconds, as the environment step records them."""
+def estimate():
+    """dcvit.bench.kernels --estimate's figures (it compiles the 6 production kernels)."""
     from dcvit.bench import kernels
-    est = kernels.estimate()
-    return {k: [m["step_ms"]["dcvit"], m["step_ms"]["vit"]] for k, m in est["models"].items()}
+    return kernels.estimate()
+
+
+@pytest.fixture(scope="module")
+def step_ms(estimate):
+    """The estimate's training-step milliseconds, as the environment step records them."""
+    return {k: [m["step_ms"]["dcvit"], m["step_ms"]["vit"]] for k, m in estimate["models"].items()}
+
+
+def test_the_estimate_counts_each_kernels_issue_slots(estimate):
+    """The plan's prices include the compiled kernels' instructions: each DCViT kernel has
+    an issue time, the estimate is its slowest unit, and counting it can only slow a step."""
+    assert estimate["issue_counted"], estimate["issue_not_counted"]
+    for m in estimate["models"].values():
+        for w in m["kernels"].values():
+            assert w["warp_instructions"] > 0 and w["issue"] > 0
+            assert w["estimate"] == max(w["tensor"], w["cuda"], w["memory"], w["issue"])
+        assert "issue" not in m["sdpa"]["forward"]
+        assert m["train_ratio"] <= m["train_ratio_roofline"]
 
 
 def test_cuda_plan_fits_500_s_from_the_estimate_most_valuable_first(planner, step_ms):

@@ -6,6 +6,8 @@ every autotune candidate), and the same with a mask, is compiled ahead of time f
 (A100) and sm_90 (H100) by the installed Triton and assembled by ``ptxas -v`` from its wheel
 (`dcvit.bench.kernels`); no GPU needed. A spill puts a loop's working set in local
 memory; a block over 160 KiB of shared memory cannot launch on an A100 (164 KiB per block).
+Each variant's machine code is counted too (``cuobjdump -sass``), as the H100 estimate's
+issue times take it.
 Compiled once per session, in a pool of two processes (Triton's cache makes later sessions
 quick). The slow tier adds every stage combination and fp16 (test_every_variant_fits) and
 repeats the production set under the oldest and newest Triton the kernels support
@@ -64,6 +66,37 @@ def test_shared_memory_launches_on_an_a100(rows):
 def test_products_run_on_tensor_cores(rows):
     """q·kᵀ, p·v and their gradients are tensor-core instructions in every variant."""
     assert all(r["tensor_core"] > 0 for r in rows if "error" not in r)
+
+
+def test_machine_code_is_counted(rows):
+    """Each variant's instructions are counted from its cubin (cuobjdump): its loops found
+    inside its code, as the estimate's issue times need them."""
+    ok = [r for r in rows if "error" not in r]
+    assert ok and all(0 < r["sass_loop"] < r["sass"] for r in ok)
+
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;          /* 0x00000a00ff017b82 */
+                                                                   /* 0x000fe40000000f00 */
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;         /* 0x0000000102027810 */
+        /*0020*/                   ISETP.GE.AND P0, PT, R2, 0x10, PT ;
+        /*0030*/               @!P0 BRA 0x10 ;                     /* 0xfffffffc00f08947 */
+        /*0040*/                   EXIT ;
+        /*0050*/                   BRA 0x50;
+"""
+
+
+def test_sass_loops_run_from_a_backward_branch_target_to_the_branch():
+    assert kernel_report._sass_figures(SASS) == {"sass": 6, "sass_loop": 3}
+
+
+def test_warp_instructions_count_each_loop_once_per_block_visited():
+    row = dict(kernel="forward_kernel", BT=16, BS=16, G=1, num_warps=8, sass=100, sass_loop=30)
+    # 2 sequences x 3 query blocks x 8 warps x (70 outside the loop + 3 key blocks x 30)
+    assert kernel_report.warp_instructions(row, B=2, N=33) == 2 * 3 * 8 * (70 + 3 * 30)
+    key = dict(row, kernel="backward_key_kernel", BS=8, G=2)
+    # 2 sequences x 5 key blocks x 2 head groups x 8 warps x (70 + 3 query blocks x 30)
+    assert kernel_report.warp_instructions(key, B=2, N=33) == 2 * 5 * 2 * 8 * (70 + 3 * 30)
 
 
 @pytest.mark.slow
