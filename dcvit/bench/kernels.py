@@ -19,6 +19,8 @@ alignment) is what a real launch gets.
     python -m dcvit.bench.kernels --production --check    # DCViT's own variants; status 1 if one does not fit
     python -m dcvit.bench.kernels --heads 6 12 --targets sm90 --json out.json
     python -m dcvit.bench.kernels --estimate              # expected H100 time (docs/performance.md)
+    python -m dcvit.bench.kernels --production --heads 6 --kernels fwd --targets sm90 --lines
+                                                          # which source lines its loops' instructions are
 
 Needs only the triton wheel (and torch); runs on CPU, compiling in a pool of 2 processes.
 It runs under any Triton put first on ``PYTHONPATH`` (tests/test_triton_releases.py), which
@@ -27,6 +29,7 @@ One module over 400 lines: the variants, their compilation and the estimate read
 kernel table, and the GPU check runs all three.
 """
 import argparse
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -202,14 +205,12 @@ def _error_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1][:200] if lines else ''}"
 
 
-def compile_variant(v: Variant) -> Dict:
-    """Compile ``v`` for its target and measure it: a row of the report (``error`` set when
-    Triton or ptxas rejects it)."""
+def _compile(v: Variant):
+    """``v`` compiled by the installed Triton for its target (its launch's specialisation)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
     from dcvit.kernels import triton_attention
-    row = dict(dataclasses.asdict(v), name=v.name)
     fn = getattr(triton_attention, v.kernel)
     args, kwargs = launch_arguments(v)
     kwargs = dict(kwargs, BT=v.BT, BS=v.BS, G=v.G)
@@ -224,23 +225,40 @@ def compile_variant(v: Variant) -> Dict:
             constexprs[arg_name] = spec
         elif spec:
             attrs[(i,)] = CUDABackend.parse_attr(spec)
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = {"num_warps": v.num_warps, "num_stages": v.num_stages, "maxnreg": v.maxnreg}
+    return triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=options)
+
+
+def _assemble(v: Variant, ptx: str, tmp: str, *flags: str) -> tuple:
+    """(ptxas's log, the cubin's path) of ``ptx`` assembled for v's target in ``tmp``."""
+    path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+    with open(path, "w") as f:
+        f.write(ptx)
+    gpu = f"sm_{v.arch}a" if v.arch >= 90 else f"sm_{v.arch}"
+    log = subprocess.run([ptxas(v.arch), *flags, f"--gpu-name={gpu}", path, "-o", cubin],
+                         capture_output=True, text=True, check=True).stderr
+    return log, cubin
+
+
+def _tool(arch: int, name: str) -> Optional[str]:
+    """A CUDA binary utility shipped next to Triton's ptxas (cuobjdump, nvdisasm), or None."""
+    path = os.path.join(os.path.dirname(ptxas(arch) or ""), name)
+    return path if os.path.exists(path) else None
+
+
+def compile_variant(v: Variant) -> Dict:
+    """Compile ``v`` for its target and measure it: a row of the report (``error`` set when
+    Triton or ptxas rejects it)."""
+    row = dict(dataclasses.asdict(v), name=v.name)
     try:
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        options = {"num_warps": v.num_warps, "num_stages": v.num_stages, "maxnreg": v.maxnreg}
-        compiled = triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=options)
+        compiled = _compile(v)
         ptx = compiled.asm["ptx"]
-        gpu = f"sm_{v.arch}a" if v.arch >= 90 else f"sm_{v.arch}"
         with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "k.ptx")
-            with open(path, "w") as f:
-                f.write(ptx)
-            cubin = os.path.join(tmp, "k.cubin")
-            log = subprocess.run([ptxas(v.arch), "-v", f"--gpu-name={gpu}", path, "-o", cubin],
-                                 capture_output=True, text=True, check=True).stderr
-            objdump = os.path.join(os.path.dirname(ptxas(v.arch)), "cuobjdump")
-            if os.path.exists(objdump):
-                row.update(_sass_figures(subprocess.run([objdump, "-sass", cubin], capture_output=True,
-                                                        text=True, check=True).stdout))
+            log, cubin = _assemble(v, ptx, tmp, "-v")
+            if _tool(v.arch, "cuobjdump"):
+                row.update(_sass_figures(subprocess.run([_tool(v.arch, "cuobjdump"), "-sass", cubin],
+                                                        capture_output=True, text=True, check=True).stdout))
     except Exception as e:  # noqa: BLE001  (out of resources, compiler errors: a figure too)
         row["error"] = _error_line(e)
         return row
@@ -249,6 +267,36 @@ def compile_variant(v: Variant) -> Dict:
     row["tensor_core"] = len(re.findall(r"^\s*(?:mma\.sync|wgmma\.mma_async|tcgen05\.mma)\b", ptx, re.M))
     row["fma_f32"] = len(re.findall(r"^\s*fma\.rn(?:\.ftz)?\.f32\b", ptx, re.M))
     return row
+
+
+def loop_lines(v: Variant) -> List[Dict]:
+    """Where ``v``'s loop instructions come from: per source line of the kernels (the
+    innermost one ptxas's line table names), its instructions inside the loops and the most
+    frequent opcodes, most first. The "measure why" of an issue time (nvdisasm's line info)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _, cubin = _assemble(v, _compile(v).asm["ptx"], tmp, "-lineinfo")
+        sass = subprocess.run([_tool(v.arch, "nvdisasm"), "--print-line-info", "-c", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    where, labels, pending, ins = None, {}, [], []
+    for line in sass.splitlines():
+        if m := re.search(r'//## File "([^"]+)", line (\d+)', line):
+            where = (os.path.basename(m.group(1)), int(m.group(2)))
+        elif m := re.match(r"\s*(\.L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+([^;]*);", line):
+            addr = int(m.group(1), 16)
+            labels.update({lab: addr for lab in pending})
+            pending = []
+            ins.append((addr, m.group(2).strip(), where))
+    spans = [(labels[m.group(1)], addr) for addr, text, _ in ins
+             if (m := re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), addr) < addr]
+    counts: Dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
+    for addr, text, src in ins:
+        if any(a <= addr <= b for a, b in spans):
+            counts[src][re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]] += 1
+    rows = [dict(file=src[0] if src else "?", line=src[1] if src else 0, instructions=sum(c.values()),
+                 ops=dict(c.most_common(4))) for src, c in counts.items()]
+    return sorted(rows, key=lambda r: -r["instructions"])
 
 
 def measure(vs: Sequence[Variant], jobs: int = 2) -> List[Dict]:
@@ -584,6 +632,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="print the expected H100 times of DCViT-S/16 and B/16 instead (compiles 6 variants)")
     p.add_argument("--measure", action="store_true",
                    help="with --estimate on a CUDA machine: time the kernels and SDPA next to the estimates")
+    p.add_argument("--lines", action="store_true",
+                   help="per variant (e.g. --production --heads 6 --kernels fwd --targets sm90): the source "
+                        "lines its loop instructions come from")
     a = p.parse_args(argv)
     if a.estimate:
         est = estimate(jobs=a.jobs)
@@ -629,6 +680,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       (not a.production,), [("qk", "qk")], kernels)
     else:
         vs = variants(a.heads, a.dims, a.dtypes, archs, masks, None, kernels)
+    if a.lines:
+        from dcvit.kernels import triton_attention
+        with open(triton_attention.__file__) as f:
+            source = f.read().splitlines()
+        for v in vs:
+            rows = loop_lines(v)
+            print(f"\n{v.name}: {sum(r['instructions'] for r in rows)} instructions in its loops")
+            for r in rows[:12]:
+                text = source[r["line"] - 1].strip() if r["file"] == "triton_attention.py" else r["file"]
+                print(f"{r['instructions']:6d}  {r['line']:4d}  {text[:64]:<64}  {r['ops']}")
+        return 0
     for arch in archs:
         print(f"ptxas for sm_{arch}: {ptxas(arch)} ({_ptxas_version(arch)})")
     print(f"compiling {len(vs)} variants with {a.jobs} processes ...", flush=True)
