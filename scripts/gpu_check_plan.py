@@ -67,10 +67,10 @@ COMPILED = (("torch", "torch"), ("numpy", "numpy"), ("pyyaml", "yaml"), ("pillow
 START = 15.0            # a Python process: interpreter, torch, timm, dcvit, the CUDA context
 TRITON_COMPILE = 12.0   # one Triton kernel variant compiled for the GPU
 TORCH_COMPILE = 90.0    # one torch.compile graph (a model's training or inference step)
-SLACK = 4.0             # a measured step against the roofline estimate, a lower bound
+SLACK = 4.0             # a measured step against the estimate, a lower bound
 # dcvit.bench.kernels --estimate's H100 training-step milliseconds at batch 256 (DCViT, ViT),
 # used when the environment step could not compute them.
-DEFAULT_STEP_MS = {"S/16": (9.7, 8.3), "B/16": (36.4, 29.5)}
+DEFAULT_STEP_MS = {"S/16": (17.4, 8.3), "B/16": (56.3, 29.5)}
 # The smoke training run: images per class, classes, epochs, batch (CUDA; dry run).
 SMOKE = {False: (160, 10, 4, 64), True: (16, 2, 2, 8)}
 
