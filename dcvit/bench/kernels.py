@@ -337,14 +337,16 @@ def problems(rows: Sequence[Dict]) -> List[str]:
 
 def table(rows: Sequence[Dict]) -> str:
     """One line per variant."""
-    head = f"{'variant':<84} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'smem KiB':>8} {'mma':>5} {'fma':>6}"
+    head = (f"{'variant':<84} {'regs':>4} {'spill st':>8} {'spill ld':>8} {'smem KiB':>8} {'mma':>5} {'fma':>6} "
+            f"{'sass':>6} {'in loops':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
             lines.append(f"{r['name']:<84} error: {r['error']}")
         else:
             lines.append(f"{r['name']:<84} {r['registers']:>4} {r['spill_stores']:>8} {r['spill_loads']:>8} "
-                         f"{r['shared'] / 1024:>8.1f} {r['tensor_core']:>5} {r['fma_f32']:>6}")
+                         f"{r['shared'] / 1024:>8.1f} {r['tensor_core']:>5} {r['fma_f32']:>6} "
+                         f"{r.get('sass', '-'):>6} {r.get('sass_loop', '-'):>8}")
     return "\n".join(lines)
 
 
