@@ -498,12 +498,13 @@ def _compiled_production(shapes: Sequence[tuple], jobs: int) -> tuple:
     return {(r["kernel"], r["H"]): r for r in rows}, None
 
 
-def estimate(batch: int = 256, jobs: int = 2) -> Dict:
+def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
     """Per model: each kernel's work and roofline time for one layer, with its issue time
     where the running Triton compiles it for sm_90 here (`warp_instructions`), the layers'
     total, and the training-step ratio DCViT / ViT (SDPA) when the dense layers (same in
     both, plus DCViT's dynamic-weight projections) run at the same tensor-core peak; also
-    the ratio without the issue times (``train_ratio_roofline``)."""
+    the ratio without the issue times (``train_ratio_roofline``). ``issue=False``: no
+    compilation, the work alone."""
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from dcvit.accounting import analytic_macs
@@ -512,7 +513,8 @@ def estimate(batch: int = 256, jobs: int = 2) -> Dict:
             for label, (dc_name, vit_name) in MODELS.items()}
     shapes = {label: (dc.blocks[0].attn.num_heads, dc.embed_dim // dc.blocks[0].attn.num_heads)
               for label, (dc, _) in nets.items()}
-    compiled, not_counted = _compiled_production(sorted(set(shapes.values())), jobs)
+    compiled, not_counted = (_compiled_production(sorted(set(shapes.values())), jobs) if issue
+                             else ({}, "not asked for (--no-issue)"))
     out = {"gpu": H100, "batch": batch, "models": {},
            "triton": tri.__version__ if tri else None,       # its tl.dot sizes decide the padding counted
            "issue_counted": not_counted is None, "issue_not_counted": not_counted}
@@ -632,6 +634,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--estimate", action="store_true",
                    help="print the expected H100 times of DCViT-S/16 and B/16 instead (compiles 6 variants)")
+    p.add_argument("--no-issue", action="store_true",
+                   help="with --estimate: the work alone, without compiling the kernels for their issue slots")
     p.add_argument("--measure", action="store_true",
                    help="with --estimate on a CUDA machine: time the kernels and SDPA next to the estimates")
     p.add_argument("--lines", action="store_true",
@@ -639,7 +643,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "lines its loop instructions come from")
     a = p.parse_args(argv)
     if a.estimate:
-        est = estimate(jobs=a.jobs)
+        est = estimate(jobs=a.jobs, issue=not a.no_issue)
         print(estimate_table(est))
         if a.measure:
             est["measured"] = measure_on_gpu(est)
