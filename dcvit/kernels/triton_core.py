@@ -193,10 +193,11 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     scores and Compose of all heads for the accumulators of half). A Triton whose `tl.dot`
     takes no 8-row side (3.4, `dot_min`) gets blocks of 16 instead, and at 16 padded heads
     both backward kernels split their heads between two programs. At 8 padded heads every
-    candidate states a thread's register bound, ``maxnreg`` = `MAX_REGISTERS` (PTX
-    ``.maxnreg``): without it ptxas fits some of those light variants (one stage or one side)
-    in 128 registers, for two blocks per SM, and spills a few bytes to do so; at 16 padded
-    heads, where the kernels use all 255 registers anyway, stating it makes ptxas allocate
+    candidate, and the query kernel's at 16, states a thread's register bound, ``maxnreg`` =
+    `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage
+    or one side; at 16 padded heads the query kernel without pre-compose) in 128 registers,
+    for two blocks per SM, and spills a few bytes to do so; in the forward and key kernels at
+    16 padded heads, which use all 255 registers anyway, stating it made ptxas allocate
     differently and spill in two masked variants, so there it is left out (None)."""
     wide = _padded_heads(H) > 8
     if kernel == "forward_kernel":
@@ -208,7 +209,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     rows = max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) if available() else 1
     if min(min(bt, bs) for bt, bs, _ in blocks) < rows:
         blocks = [b for b in blocks if min(b[:2]) >= rows] or [(16, 16, 2 if wide else 1)]
-    maxnreg = None if wide else MAX_REGISTERS
+    maxnreg = None if wide and kernel != "backward_query_kernel" else MAX_REGISTERS
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=maxnreg) for bt, bs, g in blocks]
 
 
