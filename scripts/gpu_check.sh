@@ -6,7 +6,7 @@
 # lasts, smoke training runs and compiled figures (scripts/gpu_check_plan.py has the steps
 # and their planned seconds; a step that does not fit what is left is recorded as skipped).
 #
-#   bash scripts/gpu_check.sh                       # --budget 500: 6 of the 12 steps run, 446 s planned
+#   bash scripts/gpu_check.sh                       # --budget 500: 6 of the 12 steps run, 465 s planned
 #   bash scripts/gpu_check.sh --budget 1500         # every step
 #   bash scripts/gpu_check.sh --wheels DIR          # a bare image: missing packages from DIR
 #   bash scripts/gpu_check.sh --dry-run --budget 120   # the same plumbing on CPU, tiny sizes
