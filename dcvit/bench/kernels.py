@@ -256,9 +256,10 @@ def compile_variant(v: Variant) -> Dict:
         ptx = compiled.asm["ptx"]
         with tempfile.TemporaryDirectory() as tmp:
             log, cubin = _assemble(v, ptx, tmp, "-v")
-            if _tool(v.arch, "cuobjdump"):
-                row.update(_sass_figures(subprocess.run([_tool(v.arch, "cuobjdump"), "-sass", cubin],
-                                                        capture_output=True, text=True, check=True).stdout))
+            objdump = _tool(v.arch, "cuobjdump")
+            if objdump:
+                row.update(_sass_figures(subprocess.run([objdump, "-sass", cubin], capture_output=True,
+                                                        text=True, check=True).stdout))
     except Exception as e:  # noqa: BLE001  (out of resources, compiler errors: a figure too)
         row["error"] = _error_line(e)
         return row
@@ -486,7 +487,7 @@ def _compiled_production(shapes: Sequence[tuple], jobs: int) -> tuple:
     row}, None), or ({}, why not) where it cannot be compiled and counted here."""
     if triton_module() is None or ptxas(90) is None:
         return {}, "no Triton with a ptxas for sm_90 here"
-    if not os.path.exists(os.path.join(os.path.dirname(ptxas(90)), "cuobjdump")):
+    if not _tool(90, "cuobjdump"):
         return {}, "no cuobjdump next to Triton's ptxas"
     from dcvit.kernels.triton_core import block_sizes
     vs = [Variant(k, 90, H, D, "bf16", False, "qk", "qk", **block_sizes(H, k, 90)[0])
