@@ -23,7 +23,8 @@ heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest contrac
 float32 `tl.dot` takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
 lanes are masked. Where the running Triton's `tl.dot` wants more (3.4-3.7: a contraction of
 16; 3.4: 16 rows and columns too, `triton_core.dot_min`) `_mm` doubles the small side with
-zeros between its values, inside the product, and drops the padding from the result. A
+zeros between its values, inside the product, and drops the padding from the result: the
+head mixing's, and under 3.4 also the 8 columns of the q/k/v products in 8-row blocks. A
 mixing so padded in its contraction runs on bf16 operands for bf16/fp16 inputs (TF32
 otherwise): twice TF32's rate pays for the padding.
 
@@ -110,16 +111,17 @@ def _round_bf16(x):
 
 @triton.jit
 def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
-    """``acc + a @ b`` for float32 (X, M, K) and (X, K, N) tiles, one batched `tl.dot`. A side
+    """``acc + a @ b`` for (X, M, K) and (X, K, N) tiles, one batched `tl.dot`. A side
     smaller than the running Triton's `tl.dot` takes (M or N below DOT_MN, K below DOT_K,
     `triton_core.dot_min`; at most by half: 8 padded heads where it wants 16) is doubled
     with zeros between its values and the product's padding dropped: Compose's head mixing
     at 8 padded heads under Triton 3.4-3.7 (K), and under 3.4 the 8 heads of a product's
-    columns or rows (N, M). PRECISION is `triton_core._flags`' MIX: "ieee" (float32
-    operands) or "tf32" (bf16/fp16). Under "tf32" a product padded in K runs on bfloat16
-    operands instead (a and b rounded to bf16, float32 accumulation): twice TF32's rate, so
-    the padding costs what an unpadded TF32 product would; bf16 keeps float32's exponent
-    range. "exact" (the interpreter's "tf32"; it cannot multiply bf16 tiles): each product
+    columns or rows (N, M), and the 8 queries or keys of a q/k/v product's columns (N; those
+    pass their own tiles and PRECISION, and DOT_K = 1). For the head mixing PRECISION is
+    `triton_core._flags`' MIX: "ieee" (float32 operands) or "tf32" (bf16/fp16). Under "tf32"
+    a product padded in K runs on bfloat16 operands instead (a and b rounded to bf16,
+    float32 accumulation): twice TF32's rate, so the padding costs what an unpadded TF32
+    product would; bf16 keeps float32's exponent range. "exact" (the interpreter's "tf32"; it cannot multiply bf16 tiles): each product
     taken exactly in float32 (`_dot`), the bf16 one on operands rounded as a GPU rounds
     them (`_round_bf16`)."""
     M: tl.constexpr = a.shape[1]
@@ -257,34 +259,39 @@ def _load_t_halves(P, off, sd, ok, D: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
-def _dot_by_halves(P, off, sd, ok, b0, b1, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
+def _dot_by_halves(P, off, sd, ok, b0, b1, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT_MN: tl.constexpr):
     """``a @ b`` for the (heads, rows, D) tile ``a = P[off + d·sd]``, loaded here by halves
-    of the head dim (b0, b1: b's halves, `_load_t_halves`): half of a is live at a time."""
+    of the head dim (b0, b1: b's halves, `_load_t_halves`): half of a is live at a time.
+    8 columns where `tl.dot` takes 16 (DOT_MN, Triton 3.4) are padded inside (`_mm`)."""
     if DP >= 32:
         d0 = tl.arange(0, DP // 2)[None, None, :]
         d1 = DP // 2 + d0
-        out = _dot(tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0), b0, PRECISION)
-        out += _dot(tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0), b1, PRECISION)
+        a0 = tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0)
+        out = _mm(a0, b0, tl.zeros((a0.shape[0], a0.shape[1], b0.shape[2]), tl.float32), PRECISION, DOT_MN, 1)
+        out = _mm(tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0), b1, out, PRECISION, DOT_MN, 1)
     else:
         d = tl.arange(0, DP)[None, None, :]
-        out = _dot(tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0), b0, PRECISION)
+        a = tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0)
+        out = _mm(a, b0, tl.zeros((a.shape[0], a.shape[1], b0.shape[2]), tl.float32), PRECISION, DOT_MN, 1)
     return out
 
 
 @triton.jit
-def _acc_by_halves(acc0, acc1, P, off, sd, ok, b, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr):
+def _acc_by_halves(acc0, acc1, P, off, sd, ok, b, D: tl.constexpr, DP: tl.constexpr, PRECISION: tl.constexpr,
+                   DOT_MN: tl.constexpr):
     """``acc += a @ b`` for a (heads, D, cols) accumulator held as its two halves along the
     head dim when DP ≥ 32 (acc0, acc1: (heads, DP/2, cols) each), ``a = P[off + d·sd]``
     loaded here half at a time, so half of a is live at a time. Else acc0 is all of it
-    (acc1 unused)."""
+    (acc1 unused). Padded inside as `_dot_by_halves` is."""
     if DP >= 32:
         d0 = tl.arange(0, DP // 2)[None, :, None]
         d1 = DP // 2 + d0
-        acc0 += _dot(tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0), b, PRECISION)
-        acc1 += _dot(tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0), b, PRECISION)
+        acc0 = _mm(tl.load(P + off + d0 * sd, mask=ok & (d0 < D), other=0.0), b, acc0, PRECISION, DOT_MN, 1)
+        acc1 = _mm(tl.load(P + off + d1 * sd, mask=ok & (d1 < D), other=0.0), b, acc1, PRECISION, DOT_MN, 1)
     else:
         d = tl.arange(0, DP)[None, :, None]
-        acc0 += _dot(tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0), b, PRECISION)
+        acc0 = _mm(tl.load(P + off + d * sd, mask=ok & (d < D), other=0.0), b, acc0, PRECISION, DOT_MN, 1)
     return acc0, acc1
 
 
@@ -363,7 +370,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                                   PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
+                                   PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
@@ -380,7 +387,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                                   PRECISION)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
+                                   PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = _exp(x, lse[:, None, :], FAST_EXP)
@@ -391,7 +398,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
             p = _group(p, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
         vt = tl.load(V + b * svb + hg * svh + sc * svs + dc * svd, mask=gm & (sc < S) & (dc < D), other=0.0)
-        acc += _dot(vt, _t(p).to(V.dtype.element_ty), PRECISION)
+        acc = _mm(vt, _t(p).to(V.dtype.element_ty), acc, PRECISION, DOT_MN, 1)
     tl.store(O + b * sob + hg * soh + tc * sot + dc * sod, acc.to(O.dtype.element_ty),
              mask=gm & (tc < T) & (dc < D))
 
@@ -435,13 +442,13 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                               PRECISION)) * scale
+                               PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = _exp(x, lse[:, None, :], FAST_EXP)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
-                               PRECISION))                                   # dL/dp2 (BT, BS, HP)
+                               PRECISION, DOT_MN))                                   # dL/dp2 (BT, BS, HP)
         if HAS_POST:
             if WANT_DMQ2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
@@ -462,12 +469,12 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                               PRECISION)) * scale
+                               PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
-                               PRECISION))
+                               PRECISION, DOT_MN))
         if HAS_POST:
             dp = _compose(dp, MQ2 + b * a2b, t, a2n, t < T, True,
                           MK2 + b * b2b, s, b2n, s < S, HAS_MK2, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
@@ -481,7 +488,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
             ds = _group(ds, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
         dqt0, dqt1 = _acc_by_halves(dqt0, dqt1, K + b * skb, hg * skh + sc * sks, skd, gm & (sc < S),
-                                    _t(ds).to(K.dtype.element_ty), D, DP, PRECISION)
+                                    _t(ds).to(K.dtype.element_ty), D, DP, PRECISION, DOT_MN)
     _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:
         _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)), b, t_idx, T, h0, 0, H)
@@ -530,7 +537,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         tr = start + tl.arange(0, BT)[None, :, None]
         t = start + tl.arange(0, BT)[:, None, None]
         s0 = _t(_dot_by_halves(Q + b * sqb, hh * sqh + tr * sqt, sqd, hm & (tr < T), kt0, kt1, D, DP,
-                               PRECISION)) * scale
+                               PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
@@ -543,9 +550,9 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         else:
             p2 = _group(p, h0, HG)
         dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO + b * sgb, hg * sgh + tc * sgt, sgd, gm & (tc < T),
-                                    _t(p2).to(DO.dtype.element_ty), D, DP, PRECISION)
+                                    _t(p2).to(DO.dtype.element_ty), D, DP, PRECISION, DOT_MN)
         dp = _t(_dot_by_halves(DO + b * sgb, hh * sgh + tr * sgt, sgd, hm & (tr < T), vt0, vt1, D, DP,
-                               PRECISION))                                   # dL/dp2 (BS, BT, HP)
+                               PRECISION, DOT_MN))                                   # dL/dp2 (BS, BT, HP)
         if HAS_POST:
             if WANT_DMK2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
@@ -561,7 +568,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q + b * sqb, hg * sqh + tc * sqt, sqd, gm & (tc < T),
-                                    _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION)
+                                    _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION, DOT_MN)
     out = b * sdb + hg * sdh + sc * sds
     _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
     _store_t_halves(DV, out, sdd, gm & (sc < S), dvt0, dvt1, D, DP)

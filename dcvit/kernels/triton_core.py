@@ -186,13 +186,16 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     spill for sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads, under
     every Triton from 3.5 to 3.9 (``dcvit.bench.kernels``, tests/test_kernel_resources.py,
     tests/test_triton_releases.py; float32 operands spill some at 12-16 heads, and under 3.4
-    the 16-row blocks below do, docs/performance.md): one pipeline stage (a
+    both backward kernels do at 12-16 heads, docs/performance.md): one pipeline stage (a
     second would double the tiles in shared memory), 8 warps, 8 keys per key-kernel program;
     with 16 padded heads 8 queries per query-kernel program, 16 or 8 per forward program, and
     the key kernel's heads split between G = 2 programs per key block (each recomputes the
-    scores and Compose of all heads for the accumulators of half). A Triton whose `tl.dot`
-    takes no 8-row side (3.4, `dot_min`) gets blocks of 16 instead, and at 16 padded heads
-    both backward kernels split their heads between two programs. At 8 padded heads every
+    scores and Compose of all heads for the accumulators of half). Where `tl.dot` takes no
+    8-row side (3.4, `dot_min`) the kernels pad the 8 columns inside the products
+    (`triton_attention._mm`): the forward then keeps 16 queries only (its P·V product's
+    columns), and the query kernel takes 8 queries at 8 padded heads too and splits 16 heads
+    between two programs; those are what spill least there (16-row backward blocks spilled
+    up to 656 B, and the key kernel's took 176 KiB of shared memory). At 8 padded heads every
     candidate, and the query kernel's at 16, states a thread's register bound, ``maxnreg`` =
     `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage
     or one side; at 16 padded heads the query kernel without pre-compose) in 128 registers,
@@ -200,15 +203,13 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     16 padded heads, which use all 255 registers anyway, stating it made ptxas allocate
     differently and spill in two masked variants, so there it is left out (None)."""
     wide = _padded_heads(H) > 8
+    padded = available() and max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) > 8
     if kernel == "forward_kernel":
-        blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide else [])
+        blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide and not padded else [])
     elif kernel == "backward_query_kernel":
-        blocks = [(8, 16, 1) if wide else (16, 16, 1)]
+        blocks = [(8, 16, 2 if padded else 1) if wide else ((8, 16, 1) if padded else (16, 16, 1))]
     else:
         blocks = [(16, 8, 2 if wide else 1)]
-    rows = max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) if available() else 1
-    if min(min(bt, bs) for bt, bs, _ in blocks) < rows:
-        blocks = [b for b in blocks if min(b[:2]) >= rows] or [(16, 16, 2 if wide else 1)]
     maxnreg = None if wide and kernel != "backward_query_kernel" else MAX_REGISTERS
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=maxnreg) for bt, bs, g in blocks]
 
