@@ -213,20 +213,25 @@ def test_head_groups_in_every_kernel(monkeypatch):
         torch.testing.assert_close(a, b, atol=_scaled(1e-6, b), rtol=1e-5)
 
 
-@pytest.mark.parametrize("mins", [(1, 1, 16), (16, 16, 16)], ids=["triton3.5-3.7", "triton3.4"])
+@pytest.mark.parametrize("mins,candidate", [((1, 1, 16), 0), ((16, 16, 16), 0), ((16, 16, 16), 1)],
+                         ids=["triton3.5-3.7", "triton3.4", "triton3.4-8-rows"])
 @pytest.mark.parametrize("H", [3, pytest.param(9, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, H, dtype):
+def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, candidate, H, dtype):
     """Where the running Triton's `tl.dot` wants a contraction of 16 (3.5-3.7), or 16 rows
     and columns too (3.4), Compose's head mixing over 8 padded heads and the matrix
-    gradients are padded with zeros, and under 3.4 so are the 8 columns of the q/k/v
-    products in 8-row blocks (its own block candidates, run here): the same formula. With
-    bf16 or fp16 operands the padded mixing runs in bf16 (`triton_attention._mm`): within
-    the half-precision tolerance of `test_half_precision_within_tolerance`."""
+    gradients are padded with zeros: the same formula. Under 3.4 each backward kernel has a
+    16-row candidate and an 8-row one whose q/k/v products pad their 8 columns; each is run
+    here. With bf16 or fp16 operands the padded mixing runs in bf16 (`triton_attention._mm`):
+    within the half-precision tolerance of `test_half_precision_within_tolerance`."""
     monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: mins)
-    if mins[0] == 16:                          # 8-row blocks of both backward kernels, padded
-        assert [(c["BT"], c["BS"]) for k in ("forward_kernel", "backward_query_kernel", "backward_key_kernel")
-                for c in triton_core.block_sizes(H, k)] == [(16, 16), (8, 16), (16, 8)]
+    sizes = triton_core.block_sizes
+    if mins[0] == 16:
+        assert [[(c["BT"], c["BS"]) for c in sizes(H, k)] for k in (
+            "forward_kernel", "backward_query_kernel", "backward_key_kernel")] == [
+            [(16, 16)], [(16, 16), (8, 16)], [(16, 16), (16, 8)]]
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: [
+        sizes(H, kernel, arch)[min(candidate, len(sizes(H, kernel, arch)) - 1)]])
     inputs, mask, mats = _case(1, H, 19, 21, 16, seed=23)
     if dtype == torch.float32:
         _assert_matches(inputs, mask, mats, scale=16 ** -0.5)

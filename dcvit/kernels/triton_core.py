@@ -191,11 +191,12 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     with 16 padded heads 8 queries per query-kernel program, 16 or 8 per forward program, and
     the key kernel's heads split between G = 2 programs per key block (each recomputes the
     scores and Compose of all heads for the accumulators of half). Where `tl.dot` takes no
-    8-row side (3.4, `dot_min`) the kernels pad the 8 columns inside the products
-    (`triton_attention._mm`): the forward then keeps 16 queries only (its P·V product's
-    columns), and the query kernel takes 8 queries at 8 padded heads too and splits 16 heads
-    between two programs; those are what spill least there (16-row backward blocks spilled
-    up to 656 B, and the key kernel's took 176 KiB of shared memory). At 8 padded heads every
+    8-row side (3.4, `dot_min`) the forward keeps 16 queries only and each backward kernel
+    gets two candidates, both with 16 padded heads split between two programs: 16-row
+    blocks, and 8-row ones whose products pad their 8 columns inside
+    (`triton_attention._mm`). At 3 and 6 heads the 8-row ones spill nothing where the
+    16-row ones spill 12-204 B, yet they issue about 1.6 times the instructions (padding
+    goes through shared memory there): the autotuner times both. At 8 padded heads every
     candidate, and the query kernel's at 16, states a thread's register bound, ``maxnreg`` =
     `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage
     or one side; at 16 padded heads the query kernel without pre-compose) in 128 registers,
@@ -204,12 +205,15 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     differently and spill in two masked variants, so there it is left out (None)."""
     wide = _padded_heads(H) > 8
     padded = available() and max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) > 8
+    g = 2 if wide else 1
     if kernel == "forward_kernel":
         blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide and not padded else [])
+    elif padded:                                        # 16 rows, then 8 padded
+        blocks = [(16, 16, g), (8, 16, g) if kernel == "backward_query_kernel" else (16, 8, g)]
     elif kernel == "backward_query_kernel":
-        blocks = [(8, 16, 2 if padded else 1) if wide else ((8, 16, 1) if padded else (16, 16, 1))]
+        blocks = [(8, 16, 1) if wide else (16, 16, 1)]
     else:
-        blocks = [(16, 8, 2 if wide else 1)]
+        blocks = [(16, 8, g)]
     maxnreg = None if wide and kernel != "backward_query_kernel" else MAX_REGISTERS
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=maxnreg) for bt, bs, g in blocks]
 
