@@ -222,6 +222,7 @@ def case_ctrl_c(tmp: Path) -> str:
     assert run("--src", d / "train", "--out", out, "--shard-size", 10).returncode == 0
     before = meta(out, "train")
     patch = """
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as a terminal's process
         real, calls = mws.encode_image, [0]
         def interrupting(*a):
             calls[0] += 1

@@ -232,7 +232,17 @@ def test_the_start_up_check_and_verify_refuse_the_same_shard(tmp_path, capsys, e
 
 
 # ----------------------------------------------------------------------------- Ctrl-C
-def test_ctrl_c_while_the_split_is_moved_in_waits_for_it(tmp_path, monkeypatch):
+@pytest.fixture
+def sigint_handled():
+    """SIGINT raises KeyboardInterrupt, as in a terminal's process. A shell starts background
+    jobs (``pytest ... &``) with SIGINT ignored, and Python and its children keep it so: there
+    the Ctrl-C tests would test nothing and fail."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_the_split_is_moved_in_waits_for_it(tmp_path, monkeypatch, sigint_handled):
     """SIGINT arriving while the new shards replace the old ones is held until the new split
     is complete: the command reports the interrupt, the folder holds one whole split."""
     src, out = _source(tmp_path / "src"), tmp_path / "out"
@@ -264,6 +274,7 @@ def test_ctrl_c_with_workers_then_rerun(tmp_path):
     kept = _digests(out), (out / "train.json").read_bytes()
     code = textwrap.dedent(f"""
         import os, signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)   # as a terminal's process
         from train_imagenet.shards import cli, write as mws
         real, calls = mws.encode_image, [0]
         def interrupting(*a):
