@@ -186,7 +186,8 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     spill for sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads, under
     every Triton from 3.5 to 3.9 (``dcvit.bench.kernels``, tests/test_kernel_resources.py,
     tests/test_triton_releases.py; float32 operands spill some at 12-16 heads, and under 3.4
-    both backward kernels do at 12-16 heads, docs/performance.md): one pipeline stage (a
+    the backward kernels' 16-row candidates do, their 8-row ones at 12-16 heads,
+    docs/performance.md): one pipeline stage (a
     second would double the tiles in shared memory), 8 warps, 8 keys per key-kernel program;
     with 16 padded heads 8 queries per query-kernel program, 16 or 8 per forward program, and
     the key kernel's heads split between G = 2 programs per key block (each recomputes the
