@@ -100,10 +100,6 @@ def test_warp_instructions_count_each_loop_once_per_block_visited():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "a known failure (docs/performance.md, 'Under each Triton release'): outside the production "
-    "variants, 4 of 1,008 spill 8-16 B per thread under Triton 3.8, all masked at 12 heads with "
-    "post-compose on one side or in fp16"))
 def test_every_variant_fits():
     """All nine stage combinations, with and without a mask, bf16 and fp16: each compiles,
     spills nothing and fits 160 KiB."""

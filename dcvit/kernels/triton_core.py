@@ -197,13 +197,13 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     blocks, and 8-row ones whose products pad their 8 columns inside
     (`triton_attention._mm`). At 3 and 6 heads the 8-row ones spill nothing where the
     16-row ones spill 12-204 B, yet they issue about 1.6 times the instructions (padding
-    goes through shared memory there): the autotuner times both. At 8 padded heads every
-    candidate, and the query kernel's at 16, states a thread's register bound, ``maxnreg`` =
-    `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage
-    or one side; at 16 padded heads the query kernel without pre-compose) in 128 registers,
-    for two blocks per SM, and spills a few bytes to do so; in the forward and key kernels at
-    16 padded heads, which use all 255 registers anyway, stating it made ptxas allocate
-    differently and spill in two masked variants, so there it is left out (None)."""
+    goes through shared memory there): the autotuner times both. Every candidate but the
+    forward's at 16 padded heads states a thread's register bound, ``maxnreg`` =
+    `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage or one side; at 16
+    padded heads the query kernel without pre-compose, the key kernel without any Compose)
+    in 128 registers, for two blocks per SM, and spills a few bytes to do so. The forward at
+    16 padded heads, which uses all 255 registers anyway, leaves it out (None): stating it
+    there made ptxas allocate differently and spill in two masked variants."""
     wide = _padded_heads(H) > 8
     padded = available() and max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) > 8
     g = 2 if wide else 1
@@ -215,7 +215,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
         blocks = [(8, 16, 1) if wide else (16, 16, 1)]
     else:
         blocks = [(16, 8, g)]
-    maxnreg = None if wide and kernel != "backward_query_kernel" else MAX_REGISTERS
+    maxnreg = None if wide and kernel == "forward_kernel" else MAX_REGISTERS
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=maxnreg) for bt, bs, g in blocks]
 
 
