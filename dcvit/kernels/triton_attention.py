@@ -121,9 +121,9 @@ def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.cons
     `triton_core._flags`' MIX: "ieee" (float32 operands) or "tf32" (bf16/fp16). Under "tf32"
     a product padded in K runs on bfloat16 operands instead (a and b rounded to bf16,
     float32 accumulation): twice TF32's rate, so the padding costs what an unpadded TF32
-    product would; bf16 keeps float32's exponent range. "exact" (the interpreter's "tf32"; it cannot multiply bf16 tiles): each product
-    taken exactly in float32 (`_dot`), the bf16 one on operands rounded as a GPU rounds
-    them (`_round_bf16`)."""
+    product would; bf16 keeps float32's exponent range. "exact" (the interpreter's "tf32";
+    it cannot multiply bf16 tiles): each product taken exactly in float32 (`_dot`), the
+    bf16 one on operands rounded as a GPU rounds them (`_round_bf16`)."""
     M: tl.constexpr = a.shape[1]
     N: tl.constexpr = b.shape[2]
     K: tl.constexpr = a.shape[2]
@@ -415,7 +415,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                           HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                           HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
                           PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-                   FAST_EXP: tl.constexpr):
+                          FAST_EXP: tl.constexpr):
     """One block of BT queries and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
     and dq (B, H, T, D) of those heads, and the per-query matrix gradients dMq1[t, h, :],
     dMq2[t, :, h] (B, T, H, H)."""
@@ -448,7 +448,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                     H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = _exp(x, lse[:, None, :], FAST_EXP)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
-                               PRECISION, DOT_MN))                                   # dL/dp2 (BT, BS, HP)
+                               PRECISION, DOT_MN))                           # dL/dp2 (BT, BS, HP)
         if HAS_POST:
             if WANT_DMQ2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
@@ -506,7 +506,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                         HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                         HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr,
                         PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-                   FAST_EXP: tl.constexpr):
+                        FAST_EXP: tl.constexpr):
     """One block of BS keys and one group of HP/G heads h (program_id 2), over every query
     block: dk, dv (B, H, S, D) (the same strides) of those heads and the key-side matrix
     gradients dMk1[s, h, :], dMk2[s, :, h] (B, S, H, H). Compose tiles are (keys, queries,
@@ -552,7 +552,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO + b * sgb, hg * sgh + tc * sgt, sgd, gm & (tc < T),
                                     _t(p2).to(DO.dtype.element_ty), D, DP, PRECISION, DOT_MN)
         dp = _t(_dot_by_halves(DO + b * sgb, hh * sgh + tr * sgt, sgd, hm & (tr < T), vt0, vt1, D, DP,
-                               PRECISION, DOT_MN))                                   # dL/dp2 (BS, BT, HP)
+                               PRECISION, DOT_MN))                           # dL/dp2 (BS, BT, HP)
         if HAS_POST:
             if WANT_DMK2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
