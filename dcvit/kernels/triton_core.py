@@ -199,11 +199,12 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     16-row ones spill 12-204 B, yet they issue about 1.6 times the instructions (padding
     goes through shared memory there): the autotuner times both. Every candidate but the
     forward's at 16 padded heads states a thread's register bound, ``maxnreg`` =
-    `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage or one side; at 16
-    padded heads the query kernel without pre-compose, the key kernel without any Compose)
-    in 128 registers, for two blocks per SM, and spills a few bytes to do so. The forward at
-    16 padded heads, which uses all 255 registers anyway, leaves it out (None): stating it
-    there made ptxas allocate differently and spill in two masked variants."""
+    `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage
+    or one side; at 16 padded heads the query kernel without pre-compose, the key kernel
+    without any Compose) in 128 registers, for two blocks per SM, and spills a few bytes to
+    do so. The forward at 16 padded heads, which uses all 255 registers anyway, leaves it
+    out (None): stating it there made ptxas allocate differently and spill in two masked
+    variants."""
     wide = _padded_heads(H) > 8
     padded = available() and max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) > 8
     g = 2 if wide else 1
