@@ -77,13 +77,15 @@ def test_dry_run_with_the_wheels_alone(tmp_path):
     steps = {s["step"]: s for s in summary["steps"]}
     for name in ("environment", "kernels", "kernel_times", "bench_S_eager_triton"):
         assert steps[name]["status"] == "pass", name
-    for name in ("bench_S_compile_triton", "bench_B_compile_triton"):
-        assert steps[name]["status"] == "skipped" and "left of the budget" in steps[name]["reason"]
-    # the compiled smoke run is skipped for the budget, or (on a loaded machine, where the budget
-    # ran out before them) for its shards, which were skipped for the budget
-    smoke, shards = steps["train_smoke_compile"], steps["synthetic_shards"]
-    assert smoke["status"] == "skipped" and ("left of the budget" in smoke["reason"] or (
-        smoke["reason"] == "needs synthetic_shards, which did not pass" and "left of the budget" in shards["reason"]))
+    # a step that runs passes; one that does not is skipped for the budget or for a step it
+    # needs. Which of the later steps fit depends on the machine's speed, except the last:
+    # its planned 130 s exceed the 115 s that a 120 s budget leaves on any machine.
+    for name, row in steps.items():
+        assert row["status"] == "pass" or (row["status"] == "skipped" and (
+            "left of the budget" in row["reason"] or row["reason"].startswith("needs "))), (name, row)
+    last = steps["bench_B_compile_triton"]
+    assert last["status"] == "skipped" and last["reason"].startswith("planned 130 s > ")
+    assert steps["train_smoke_compile"]["status"] != "pass" or steps["synthetic_shards"]["status"] == "pass"
     assert summary["skipped"] == [s for s, r in steps.items() if r["status"] == "skipped"]
     assert all(m["passed"] for m in summary["kernels"]["models"].values())
     assert {f["model"] for f in summary["figures"]} == {"dcvit_small_patch16_224"} | (
