@@ -210,7 +210,7 @@ def _compile(v: Variant):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
-    from dcvit.kernels import triton_attention
+    from dcvit.kernels import triton_attention, triton_core
     fn = getattr(triton_attention, v.kernel)
     args, kwargs = launch_arguments(v)
     kwargs = dict(kwargs, BT=v.BT, BS=v.BS, G=v.G)
@@ -226,7 +226,8 @@ def _compile(v: Variant):
         elif spec:
             attrs[(i,)] = CUDABackend.parse_attr(spec)
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    options = {"num_warps": v.num_warps, "num_stages": v.num_stages, "maxnreg": v.maxnreg}
+    options = {"num_warps": v.num_warps, "num_stages": v.num_stages, "maxnreg": v.maxnreg,
+               **triton_core.COMPILE_OPTIONS}
     return triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=options)
 
 

@@ -36,6 +36,10 @@ __all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_o
 
 MAX_HEADS = 16
 MAX_REGISTERS = 255       # a thread's registers: the hardware's bound, stated to ptxas (`block_sizes`)
+# Compile options every launch states (and `dcvit.bench.kernels` compiles with): floating-point
+# fusion, which the kernels' instruction counts assume (an exponential's argument is one FMA,
+# `triton_attention._exp`). Triton 3.9 warns when it is left to the default, which 3.10 turns off.
+COMPILE_OPTIONS = {"enable_fp_fusion": True}
 
 _TRITON_VERSION: Optional[str] = None
 try:
@@ -242,14 +246,14 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
         c = block_sizes(H, name, arch)[0]
         kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"],
                                                           num_warps=c["num_warps"], num_stages=c["num_stages"],
-                                                          maxnreg=c["maxnreg"], **kwargs)
+                                                          maxnreg=c["maxnreg"], **COMPILE_OPTIONS, **kwargs)
         return
     key = (name, H, arch)
     if key not in _tuned:
         configs = [triton.Config({"BT": c["BT"], "BS": c["BS"], "G": c["G"]}, num_warps=c["num_warps"],
                                  num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name, arch)]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
-    _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **kwargs)
+    _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **COMPILE_OPTIONS, **kwargs)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor) -> None:
