@@ -189,7 +189,8 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     keeps the fastest (each one more compilation). Each candidate compiles without a register
     spill for sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads, under
     every Triton from 3.5 to 3.9 (``dcvit.bench.kernels``, tests/test_kernel_resources.py,
-    tests/test_triton_releases.py; float32 operands spill some at 12-16 heads, and under 3.4
+    tests/test_triton_releases.py; but for two masked key-kernel variants at 16 heads under
+    3.5 and 3.6, 8-16 B; float32 operands spill some at 12-16 heads, and under 3.4
     the backward kernels' 16-row candidates do, their 8-row ones at 12-16 heads,
     docs/performance.md): one pipeline stage (a
     second would double the tiles in shared memory), 8 warps, 8 keys per key-kernel program;
