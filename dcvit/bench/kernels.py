@@ -302,13 +302,25 @@ def loop_lines(v: Variant) -> List[Dict]:
 
 
 def measure(vs: Sequence[Variant], jobs: int = 2) -> List[Dict]:
-    """`compile_variant` over ``vs`` in a pool of ``jobs`` processes, in order."""
+    """`compile_variant` over ``vs`` in a pool of ``jobs`` processes, in order, with a
+    progress bar on stderr when it is a terminal (a whole set takes half an hour)."""
     if (jobs <= 1 or len(vs) <= 1) and not os.environ.get("TRITON_INTERPRET"):
-        return [compile_variant(v) for v in vs]
+        return list(_progress(map(compile_variant, vs), len(vs)))
     import multiprocessing
     ctx = multiprocessing.get_context("spawn")          # no inherited torch/triton threads
     with _compiling(), concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        return list(pool.map(compile_variant, vs))
+        return list(_progress(pool.map(compile_variant, vs), len(vs)))
+
+
+def _progress(rows: Iterable[Dict], total: int) -> Iterable[Dict]:
+    """``rows`` under a tqdm bar (none where stderr is no terminal, or tqdm is missing: a
+    bare GPU image, scripts/gpu_check.sh)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return rows
+    return tqdm(rows, total=total, desc="compiling", unit="variant", file=sys.stderr, disable=None,
+                leave=False)
 
 
 @contextlib.contextmanager
