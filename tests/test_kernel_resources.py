@@ -14,6 +14,7 @@ repeats the production set under the oldest and newest Triton the kernels suppor
 (tests/test_triton_releases.py).
 """
 import itertools
+import sys
 
 import pytest
 
@@ -98,6 +99,14 @@ def test_warp_instructions_count_each_loop_once_per_block_visited():
     # 2 sequences x 5 key blocks x 2 head groups x 8 warps x (70 + 3 query blocks x 30)
     assert kernel_report.warp_instructions(key, B=2, N=33) == 2 * 5 * 2 * 8 * (70 + 3 * 30)
 
+
+
+def test_progress_passes_every_row_in_order_with_and_without_tqdm(monkeypatch, capsys):
+    rows = [{"name": str(i)} for i in range(5)]
+    assert list(kernel_report._progress(iter(rows), len(rows))) == rows
+    assert capsys.readouterr().err == ""                # no bar where stderr is no terminal
+    monkeypatch.setitem(sys.modules, "tqdm", None)       # a bare GPU image: import fails
+    assert list(kernel_report._progress(iter(rows), len(rows))) == rows
 
 @pytest.mark.slow
 def test_every_variant_fits():
