@@ -311,12 +311,16 @@ def _store_t_halves(P, off, sd, ok, acc0, acc1, D: tl.constexpr, DP: tl.constexp
 @triton.jit
 def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
             MQ1, a1b, a1n, MK1, b1b, b1n,
-            H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PRE: tl.constexpr,
-            HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
+            H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
+            HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """The logits after pre-compose and the mask, -inf at padded keys, from the scaled
     scores s0 laid out (rows, cols, heads). t, s: query and key indices, (X, 1, 1) for
     axis 0 and (Y, 1, 1) for axis 1 of the tile: axis 0 holds the queries when Q_SIDE,
-    else the keys."""
+    else the keys. A mask shared by the heads (not MASK_HEADS) is loaded as one (X, Y) tile
+    and broadcast; one per head, in the key kernel, as (heads, queries, keys) and permuted
+    (the (keys, queries, heads) load spilled 8-16 B at 16 heads under Triton 3.5 and 3.6),
+    but where `tl.dot` takes 16 rows at least (3.4: there the permuted load spilled 8-16 B
+    at 3 and 6 heads, which the other does not)."""
     x = s0
     h = tl.arange(0, HP)[None, None, :]
     if Q_SIDE:
@@ -330,8 +334,19 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
             x = _compose(s0, MK1 + b * b1b, s, b1n, s < S, HAS_MK1,
                          MQ1 + b * a1b, t, a1n, t < T, True, False, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
     if HAS_MASK:
-        x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
-                     mask=(h < H) & (tq < T) & (sk < S), other=0.0).to(tl.float32)
+        if not MASK_HEADS:
+            m = tl.load(MASK + b * smb + tq * smt + sk * sms, mask=(tq < T) & (sk < S), other=0.0)
+            m = m.to(tl.float32)
+            if HP > H:                                              # padded heads stay finite
+                m = tl.where(h < H, m, 0.0)
+            x += m
+        elif Q_SIDE or DOT_MN > 8:                    # (3.4's 16-row products: this load spills less)
+            x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
+                         mask=(h < H) & (tq < T) & (sk < S), other=0.0).to(tl.float32)
+        else:
+            hk, sq = _t(h), _t(sk)                                  # (HP, 1, 1), (1, 1, Y)
+            x += _t(tl.load(MASK + b * smb + hk * smh + tq * smt + sq * sms,
+                            mask=(hk < H) & (tq < T) & (sq < S), other=0.0).to(tl.float32))
     return tl.where(sk < S, x, float("-inf"))
 
 
@@ -344,7 +359,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    T, S, scale,
                    H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                    BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
-                   HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                   MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                    HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                    FAST_EXP: tl.constexpr):
     """One block of BT queries and one group of HP/G heads (program_id 2): their rows of
@@ -372,7 +387,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
+                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
         l_i = l_i * _exp(m_i, m_new, FAST_EXP) + tl.sum(_exp(x, m_new[:, None, :], FAST_EXP), axis=1)
         m_i = m_new
@@ -389,7 +404,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = _exp(x, lse[:, None, :], FAST_EXP)
         if HAS_POST:
             p = _compose(p, MQ2 + b * a2b, t, a2n, t < T, True,
@@ -412,7 +427,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                           T, S, scale,
                           H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                           BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
-                          HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                          MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                           HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
                           PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                           FAST_EXP: tl.constexpr):
@@ -445,7 +460,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = _exp(x, lse[:, None, :], FAST_EXP)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
                                PRECISION, DOT_MN))                           # dL/dp2 (BT, BS, HP)
@@ -472,7 +487,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
                                PRECISION, DOT_MN))
         if HAS_POST:
@@ -503,7 +518,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                         T, S, scale,
                         H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
                         BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
-                        HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                        MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                         HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr,
                         PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                         FAST_EXP: tl.constexpr):
@@ -540,7 +555,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
                     MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
+                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
         stat = (b * H + h3) * T + tr
         p = tl.where(tr < T, _exp(x, tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0), FAST_EXP), 0.0)
         tc = start + tl.arange(0, BT)[None, None, :]

@@ -189,8 +189,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[
     keeps the fastest (each one more compilation). Each candidate compiles without a register
     spill for sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads, under
     every Triton from 3.5 to 3.9 (``dcvit.bench.kernels``, tests/test_kernel_resources.py,
-    tests/test_triton_releases.py; but for two masked key-kernel variants at 16 heads under
-    3.5 and 3.6, 8-16 B; float32 operands spill some at 12-16 heads, and under 3.4
+    tests/test_triton_releases.py; float32 operands spill some at 12-16 heads, and under 3.4
     the backward kernels' 16-row candidates do, their 8-row ones at 12-16 heads,
     docs/performance.md): one pipeline stage (a
     second would double the tiles in shared memory), 8 warps, 8 keys per key-kernel program;
@@ -292,11 +291,14 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     (PRECISION) and of Compose's head mixing (MIX), and the smallest rows or columns (DOT_MN) and
     contraction (DOT_K) of a float32 `tl.dot` (`dot_min`): the head mixing and matrix gradients
     are padded where they are smaller; FAST_EXP: the softmax's exponentials as the GPU's
-    flushing ``ex2.approx.ftz`` (`triton_attention._exp`; not in the interpreter)."""
+    flushing ``ex2.approx.ftz`` (`triton_attention._exp`; not in the interpreter);
+    MASK_HEADS: the mask (expanded to (B, H, T, S)) differs between heads; else one tile of it
+    serves every head (`triton_attention._logits`)."""
     mq1, mk1, mq2, mk2 = mats
     H, D = q.shape[1], q.shape[3]
     m, n, k = dot_min(32, _arch(q.device))
     return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
+                MASK_HEADS=mask is not None and H > 1 and mask.stride(1) != 0,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
                 HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype),
                 MIX=_mix_precision(q.dtype), DOT_MN=max(m, n), DOT_K=k, FAST_EXP=not interpreted())
