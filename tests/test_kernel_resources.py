@@ -48,6 +48,16 @@ def test_production_variants_are_all_there(rows):
     assert len(unmasked) == len(rows) // 2 >= 2 * len(HEADS) * 3
 
 
+def test_a_shared_mask_and_a_mask_per_head_compile_apart():
+    """The report compiles what `triton_core` launches: a (T, S) mask as one tile for every
+    head, an (H, T, S) one per head."""
+    shared, per_head = (kernel_report.Variant("backward_key_kernel", 90, 12, 64, "bf16", True, "qk", "qk",
+                                              16, 8, 8, 1, 2, 255, by_head) for by_head in (False, True))
+    assert kernel_report.launch_arguments(shared)[1]["MASK_HEADS"] is False
+    assert kernel_report.launch_arguments(per_head)[1]["MASK_HEADS"] is True
+    assert per_head.name == shared.name.replace(",mask", ",mask/h")
+
+
 def test_every_variant_compiles(rows):
     assert not [f"{r['name']}: {r['error']}" for r in rows if "error" in r]
 
@@ -115,4 +125,16 @@ def test_every_variant_fits():
     variants = kernel_report.variants(HEADS, (64,), ("bf16", "fp16"), (80, 90), (False, True))
     rows = kernel_report.measure(variants, jobs=2)
     assert len(rows) >= 9 * 2 * 2 * 2 * len(HEADS) * 3
+    assert not problems(rows), problems(rows)
+
+
+@pytest.mark.slow
+def test_a_mask_per_head_fits():
+    """A mask that differs between heads (a converted Swin's relative position bias) is
+    loaded per head, a different compilation from the shared mask above: the production
+    stages with one, each kernel, head count, target and candidate."""
+    variants = kernel_report.variants(HEADS, (64,), ("bf16",), (80, 90), (True,), [("qk", "qk")],
+                                      mask_heads=(True,))
+    assert variants and all(v.mask and v.mask_heads for v in variants)
+    rows = kernel_report.measure(variants, jobs=2)
     assert not problems(rows), problems(rows)

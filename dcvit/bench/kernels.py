@@ -16,6 +16,7 @@ and N = 197 tokens, so Triton's own specialisation (strides of 1 as constants, 1
 alignment) is what a real launch gets.
 
     python -m dcvit.bench.kernels --quick                 # the masked production variants
+    python -m dcvit.bench.kernels --quick --mask heads    # the same, a mask per head
     python -m dcvit.bench.kernels --production --check    # DCViT's own variants; status 1 if one does not fit
     python -m dcvit.bench.kernels --heads 6 12 --targets sm90 --json out.json
     python -m dcvit.bench.kernels --estimate              # expected H100 time (docs/performance.md)
@@ -69,10 +70,12 @@ class Variant:
     num_stages: int = 3
     G: int = 1
     maxnreg: Optional[int] = None
+    mask_heads: bool = False          # the mask differs between heads (Swin's position bias)
 
     @property
     def name(self) -> str:
-        flags = f"pre={self.pre or '-'},post={self.post or '-'}{',mask' if self.mask else ''}"
+        mask = (",mask/h" if self.mask_heads else ",mask") if self.mask else ""
+        flags = f"pre={self.pre or '-'},post={self.post or '-'}{mask}"
         return (f"{SHORT[self.kernel]} sm{self.arch} H={self.H} D={self.D} {self.dtype} {flags} "
                 f"BT={self.BT} BS={self.BS} G={self.G} w={self.num_warps} st={self.num_stages}")
 
@@ -107,17 +110,20 @@ def known_archs() -> List[int]:
 def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 64),
              dtypes: Iterable[str] = DTYPES, archs: Iterable[int] = (80, 90),
              masks: Iterable[bool] = (False, True), stages: Optional[Sequence] = None,
-             kernels: Iterable[str] = KERNELS) -> List[Variant]:
+             kernels: Iterable[str] = KERNELS, mask_heads: Iterable[bool] = (False,)) -> List[Variant]:
     """Every combination, times every `block_sizes` candidate of its head count. ``stages``:
-    (pre, post) pairs from `STAGES`, default all nine."""
+    (pre, post) pairs from `STAGES`, default all nine; ``mask_heads``: a mask shared by every
+    head (False, as ViT's and DCViT's masks are), one per head (True), or both."""
     from dcvit.kernels.triton_core import block_sizes
     stages = list(stages) if stages is not None else list(itertools.product(STAGES, STAGES))
     out = []
-    for kernel, arch, H, D, dtype, mask, (pre, post) in itertools.product(
-            kernels, archs, heads, dims, dtypes, masks, stages):
+    for kernel, arch, H, D, dtype, mask, by_head, (pre, post) in itertools.product(
+            kernels, archs, heads, dims, dtypes, masks, mask_heads, stages):
+        if by_head and not mask:
+            continue
         for c in block_sizes(H, kernel, arch):
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
-                               c["num_stages"], c["G"], c.get("maxnreg")))
+                               c["num_stages"], c["G"], c.get("maxnreg"), by_head))
     return out
 
 
@@ -149,7 +155,7 @@ def launch_arguments(v: Variant):
     mats = []
     for stage in (v.pre, v.post):
         mats += [torch.zeros(B, N, H, H) if stage else None, torch.zeros(B, N, H, H) if stage == "qk" else None]
-    mask = torch.zeros(N, N) if v.mask else None
+    mask = (torch.zeros(H, N, N) if v.mask_heads else torch.zeros(N, N)) if v.mask else None
     with _captured_launches(v.arch) as seen:
         if v.kernel == "forward_kernel":
             triton_core.attention_forward(q, k, w, mask, *mats, D ** -0.5)
@@ -637,7 +643,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--targets", nargs="+", default=None, metavar="smXX",
                    help="sm80 sm90 sm100 (default: every one the installed Triton knows)")
     p.add_argument("--kernels", nargs="+", default=list(SHORT.values()), choices=list(SHORT.values()))
-    p.add_argument("--mask", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--mask", choices=["both", "yes", "no", "heads", "all"], default="both",
+                   help="with and without a mask shared by all heads (both), only with (yes) or without (no); "
+                        "a mask per head only (heads), or none, shared and per head (all)")
     p.add_argument("--quick", action="store_true",
                    help="D=64, bf16, sm80+sm90, a mask, pre+post with both sides")
     p.add_argument("--production", action="store_true",
@@ -694,12 +702,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: the kernels take 1 to 16 heads, got {bad[0]}", file=sys.stderr)
         return 2
     kernels = [k for k in KERNELS if SHORT[k] in a.kernels]
-    masks = {"both": (False, True), "yes": (True,), "no": (False,)}[a.mask]
+    masks = {"both": (False, True), "yes": (True,), "no": (False,), "heads": (True,), "all": (False, True)}[a.mask]
+    by_head = {"heads": (True,), "all": (False, True)}.get(a.mask, (False,))
     if a.quick or a.production:
         vs = variants(a.heads, (64,), ("bf16",), [x for x in archs if x in (80, 90)],
-                      (not a.production,), [("qk", "qk")], kernels)
+                      (not a.production,), [("qk", "qk")], kernels, (False,) if a.production else by_head)
     else:
-        vs = variants(a.heads, a.dims, a.dtypes, archs, masks, None, kernels)
+        vs = variants(a.heads, a.dims, a.dtypes, archs, masks, None, kernels, by_head)
     if a.lines:
         from dcvit.kernels import triton_attention
         with open(triton_attention.__file__) as f:
