@@ -70,7 +70,7 @@ class Variant:
     num_stages: int = 3
     G: int = 1
     maxnreg: Optional[int] = None
-    mask_heads: bool = False          # the mask differs between heads (Swin's position bias)
+    mask_heads: bool = False          # the mask differs between heads (a converted Swin's)
 
     @property
     def name(self) -> str:

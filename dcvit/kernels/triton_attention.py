@@ -317,10 +317,10 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
     scores s0 laid out (rows, cols, heads). t, s: query and key indices, (X, 1, 1) for
     axis 0 and (Y, 1, 1) for axis 1 of the tile: axis 0 holds the queries when Q_SIDE,
     else the keys. A mask shared by the heads (not MASK_HEADS) is loaded as one (X, Y) tile
-    and broadcast; one per head, in the key kernel, as (heads, queries, keys) and permuted
-    (the (keys, queries, heads) load spilled 8-16 B at 16 heads under Triton 3.5 and 3.6),
-    but where `tl.dot` takes 16 rows at least (3.4: there the permuted load spilled 8-16 B
-    at 3 and 6 heads, which the other does not)."""
+    and broadcast. One per head is loaded in the tile's layout, but by the key kernel where
+    `tl.dot` takes 8-row sides (3.5 on) as (heads, queries, keys) and permuted: in the
+    tile's layout it spilled 8-16 B at 16 heads under 3.5 and 3.6, permuted under 3.4
+    8-16 B at 3 and 6 heads (docs/performance.md)."""
     x = s0
     h = tl.arange(0, HP)[None, None, :]
     if Q_SIDE:
@@ -340,7 +340,7 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
             if HP > H:                                              # padded heads stay finite
                 m = tl.where(h < H, m, 0.0)
             x += m
-        elif Q_SIDE or DOT_MN > 8:                    # (3.4's 16-row products: this load spills less)
+        elif Q_SIDE or DOT_MN > 8:
             x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
                          mask=(h < H) & (tq < T) & (sk < S), other=0.0).to(tl.float32)
         else:
