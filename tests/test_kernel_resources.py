@@ -119,6 +119,7 @@ def test_progress_passes_every_row_in_order_with_and_without_tqdm(monkeypatch, c
     assert list(kernel_report._progress(iter(rows), len(rows))) == rows
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)     # ~1,000 compilations: 9 to 35 min on 2 cores with a cold Triton cache
 def test_every_variant_fits():
     """All nine stage combinations, with and without a mask, bf16 and fp16: each compiles,
     spills nothing and fits 160 KiB."""
