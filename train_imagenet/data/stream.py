@@ -8,13 +8,15 @@ are known (the start-up check counts every local shard, timm's ``_info`` and Par
 metadata give them), each epoch is dealt by sample position:
 
 - **training**: the units are shuffled by ``(seed, epoch)`` (the same order on every slot)
-  and read as one sequence; (rank, worker) slot ``s`` reads the ``s``-th contiguous range
-  of it, of its quota's length, through its shuffle buffer (seeded by ``(seed, epoch,
-  slot)``, drained at the end of the range). Every sample is read once per epoch, except
-  the few past the last whole batch of each rank (fewer than one update's worth per rank),
-  whatever the units' sizes; every rank yields the same number of whole batches. A corrupt
-  sample is replaced by the next readable one after the range (read in order, unshuffled),
-  so the quota holds; `with_epoch` cuts the stream at it.
+  and read as one ring of samples, starting at a position drawn from ``(seed, epoch)``;
+  (rank, worker) slot ``s`` reads the ``s``-th contiguous range of it, of its quota's
+  length, through its shuffle buffer (seeded by ``(seed, epoch, slot)``, drained at the end
+  of the range). Every sample is read once per epoch, except the few past the last whole
+  batch of each rank (fewer than one update's worth per rank), whatever the units' sizes;
+  those left out are others every epoch (the start moves), as a `DistributedSampler`'s are.
+  Every rank yields the same number of whole batches. A corrupt sample is replaced by the
+  next readable one after the range (read in order, unshuffled), so the quota holds;
+  `with_epoch` cuts the stream at it.
 - **evaluation**: slot ``s`` reads the ``s``-th of ``world x workers`` near-equal contiguous
   ranges of the units in their given order: every sample once, no padding; a corrupt one
   is dropped (and counted).
@@ -78,16 +80,23 @@ def _repeated(samples: Iterable[Dict[str, Any]], times: int) -> Iterator[Dict[st
 def positions(lengths: Sequence[int], order: Sequence[int], start: int,
               stop: int) -> List[Tuple[int, int, int]]:
     """[(unit, begin, end)]: the pieces of units that hold positions [start, stop) of the
-    sequence of units read in `order`."""
-    out, offset = [], 0
-    for unit in order:
-        n = lengths[unit]
-        lo, hi = max(start, offset), min(stop, offset + n)
-        if lo < hi:
-            out.append((unit, lo - offset, hi - offset))
-        offset += n
-        if offset >= stop:
-            break
+    sequence of units read in `order`, taken as a ring (position p is p modulo the
+    sequence's length: a range past its end goes on from its start)."""
+    total = sum(lengths[unit] for unit in order)
+    out: List[Tuple[int, int, int]] = []
+    while start < stop and total:
+        base = start - start % total
+        lo, hi = start - base, min(stop - base, total)
+        offset = 0
+        for unit in order:
+            n = lengths[unit]
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                out.append((unit, a - offset, b - offset))
+            offset += n
+            if offset >= hi:
+                break
+        start = base + hi
     return out
 
 
@@ -187,13 +196,15 @@ class SampleStream(IterableDataset):
     def _train_pipeline(self, wid: int, nw: int) -> wds.DataPipeline:
         total = sum(self.lengths)
         order = list(range(len(self.units)))
-        seeded(self.seed, self.epoch).shuffle(order)            # the same order on every slot
+        deal = seeded(self.seed, self.epoch)                     # the same deal on every slot
+        deal.shuffle(order)
+        first = deal.randrange(total) if total else 0   # where the epoch starts: moves the tail
         distinct = [-(-self._worker_quota(w, nw) // self.repeats) for w in range(nw)]
-        start = self.rank * sum(distinct) + sum(distinct[:wid])
+        start = first + self.rank * sum(distinct) + sum(distinct[:wid])
         stop = start + distinct[wid]
         mine = positions(self.lengths, order, start, stop)
         # replacements for corrupt samples: the samples after this range, in order, wrapping
-        spare = positions(self.lengths, order, stop, total) + positions(self.lengths, order, 0, start)
+        spare = positions(self.lengths, order, stop, start + total)
         rng = seeded(self.seed, self.epoch, self.rank * nw + wid)
         buffer = max(self.shuffle_buffer, 1)
         return wds.DataPipeline(lambda: self._read(mine),
