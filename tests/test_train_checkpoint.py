@@ -10,7 +10,7 @@ import torch
 import train_imagenet.__main__ as entry
 import train_imagenet.start as start_mod
 from train_imagenet.checkpoint import (CheckpointError, content_digest, list_checkpoints,
-                                       load_checkpoint, load_latest, save_checkpoint)
+                                       load_checkpoint, load_latest, save_checkpoint, seed_all)
 from train_imagenet.config import load_config
 from train_imagenet.distributed import DistInfo
 
@@ -27,6 +27,18 @@ def _flip_tensor_byte(path, value):
     at = bytes(data).index(needle) + 5
     data[at] ^= 0x40
     open(path, "wb").write(bytes(data))
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, -2**63])
+def test_seeds_derived_from_any_valid_seed_are_taken(seed):
+    """The run seeds its RNG streams with seed * 1000 + rank + 1 + epoch: past 64 bits for the
+    largest seeds the config accepts, which torch takes modulo 2**64."""
+    derived = seed * 1000 + 1 + 299
+    seed_all(derived)
+    assert torch.initial_seed() == derived % 2**64
+    a = torch.rand(3)
+    seed_all(derived)
+    assert torch.equal(torch.rand(3), a)
 
 
 def test_checksum_covers_every_value():

@@ -352,6 +352,9 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(data, tmp_path, c
     ("aug.smoothing=1", "aug.smoothing=1.0 must be in [0, 1)"),
     ("aug.scale=[0.5, 0.1]", "aug.scale=[0.5, 0.1] must be [min, max]"),
     ("dist_timeout=0", "dist_timeout=0.0 must be > 0"),
+    ("data.std=[0, 0, 0]", "data.std=[0.0, 0.0, 0.0]: each value must be > 0"),
+    ("data.std=[0.2, -0.2, 0.2]", "data.std=[0.2, -0.2, 0.2]: each value must be > 0"),
+    ("seed=9223372036854775808", "seed=9223372036854775808 must be in [-2**63, 2**63 - 1]"),
 ])
 def test_numbers_out_of_range_name_the_key(data, tmp_path, capsys, override, message):
     assert _run(data, tmp_path / "out", override) == 2

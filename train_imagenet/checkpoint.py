@@ -60,10 +60,11 @@ def capture_rng() -> Dict[str, Any]:
 
 
 def seed_all(seed: int) -> None:
-    """Seeds Python's, NumPy's and torch's generators."""
+    """Seeds Python's, NumPy's and torch's generators (torch's with `seed` modulo 2**64, as it
+    takes a negative seed, so that a seed derived from a large `seed` config value fits)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed % 2**64)
 
 
 def restore_rng(state: Dict[str, Any]) -> None:

@@ -197,6 +197,13 @@ class Config:
                     "aug.mixup_switch_prob", "ema.decay", "data.crop_pct"):
             if not 0 <= _get(self, key) <= 1:
                 raise ConfigError(f"{key}={_get(self, key)!r} must be in [0, 1]")
+        if self.data.std is not None and not all(v > 0 for v in self.data.std):
+            raise ConfigError(f"data.std={self.data.std!r}: each value must be > 0 (the pixel "
+                              f"values are divided by it); e.g. data.std=[0.229, 0.224, 0.225], "
+                              f"or data.std=null for the model's")
+        if not -2**63 <= self.seed < 2**63:
+            raise ConfigError(f"seed={self.seed!r} must be in [-2**63, 2**63 - 1] (a 64-bit "
+                              f"integer, as torch.manual_seed takes)")
         if not 0 <= self.aug.smoothing < 1:
             raise ConfigError(f"aug.smoothing={self.aug.smoothing!r} must be in [0, 1)")
         for key, pair in (("aug.scale", self.aug.scale), ("optim.betas", self.optim.betas)):
