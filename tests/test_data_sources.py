@@ -84,15 +84,53 @@ def test_the_order_is_fixed_and_reshuffled_per_epoch(layout):
 
 
 # ------------------------------------------------------------------ timm's layout
-def test_timm_info_gives_splits_and_counts_without_a_scan(tmp_path, monkeypatch):
+def test_timm_info_gives_splits_and_counts_without_a_scan(tmp_path, monkeypatch, caplog):
+    """The split's files and lengths come from _info without reading a tar; the start-up
+    count (issue 44.2) agrees with them, so nothing is said."""
     layout = L.timm_wds(str(tmp_path / "wds"), info="yaml")
     from train_imagenet.data import verify
-    monkeypatch.setattr(verify, "scan_shard", lambda *a, **k: pytest.fail("a tar was scanned"))
-    source = source_of(_cfg(layout), "train")
+    with monkeypatch.context() as m:
+        m.setattr(verify, "scan_shard", lambda *a, **k: pytest.fail("a tar was scanned"))
+        source = source_of(_cfg(layout), "train")
     assert [os.path.basename(s) for s in source.shards] == ["imagenet1k-train-0000.tar",
                                                             "imagenet1k-train-0001.tar"]
     assert source.shard_lengths == [16, 16] and source.num_samples == 32
     assert build_data(_cfg(layout), "train").num_samples == 32
+    assert "shard_lengths" not in caplog.text
+
+
+@pytest.mark.parametrize("train_lengths, val_lengths", [([16, 10], [8]), ([16, 20], [15])])
+def test_timm_info_shard_lengths_are_checked_against_the_shards(tmp_path, caplog,
+                                                                train_lengths, val_lengths):
+    """Issue 44.2: _info.json's shard lengths too small (data never read) or too large
+    (samples read twice) are corrected by the start-up count with a warning naming the
+    shard; every sample is read once an epoch and eval.json counts every val sample."""
+    import json
+    from train_imagenet.__main__ import main
+    layout = L.timm_wds(str(tmp_path / "wds"), info="json")
+    info_path = os.path.join(layout.root, "_info.json")
+    with open(info_path) as f:
+        info = json.load(f)
+    for split, lengths in (("train", train_lengths), ("validation", val_lengths)):
+        info["splits"][split]["shard_lengths"] = lengths
+        info["splits"][split]["num_samples"] = sum(lengths)
+    with open(info_path, "w") as f:
+        json.dump(info, f)
+    cfg = _cfg(layout)
+    pipe = build_data(cfg, "train")
+    assert pipe.num_samples == L.N_TRAIN
+    assert f"_info.json gives {layout.root}/imagenet1k-train-0001.tar {train_lengths[1]} " \
+        f"samples but it holds 16: split train holds 32 samples, not {sum(train_lengths)}" \
+        in caplog.text
+    for epoch in (0, 1):
+        assert _visits(pipe, layout.train_labels, epoch) == collections.Counter(range(L.N_TRAIN))
+    assert _visits(build_data(cfg, "val"), layout.val_labels) == collections.Counter(range(L.N_VAL))
+    out = tmp_path / "run"
+    assert main([f"data.train={layout.root}", f"data.val={layout.root}", f"output_dir={out}",
+                 *TINY_RUN, "data.num_classes=4", "epochs=1", "batch_size=4", "aug.no_aug=true",
+                 "aug.mixup=0", "aug.cutmix=0"]) == 0
+    with open(out / "eval.json") as f:
+        assert json.load(f)["num_samples"] == L.N_VAL
 
 
 def test_timm_names_decide_without_info(tmp_path):

@@ -18,6 +18,7 @@ from dcvit.schema import ShardMeta, metadata_path
 
 from .source import DataError, Source, is_remote
 from .stream import SampleStream
+from .timm_wds import INFO_NAMES
 from .verify import check_shards
 
 __all__ = ["ShardStream", "count", "dataset", "lengths_of"]
@@ -48,18 +49,22 @@ def count(source: Source, key: str = "data", num_classes: Optional[int] = None,
     Local shards are always checked (`verify.check_shards`: every tar readable, every
     label an integer in [0, num_classes); headers and labels only, cached by size and mtime);
     the count is the checked one, and the class count comes from the shards' metadata
-    (`DIR/<split>.json`) when present. Shards whose lengths timm's ``_info`` gives are
-    counted from it, without reading a tar. 'lengths' holds the samples of each shard.
+    (`DIR/<split>.json`) when present. The shard lengths timm's ``_info`` gives are checked
+    against that count (a mismatch is a warning naming the shard; the count wins); those of
+    remote shards are taken as given. 'lengths' holds the samples of each shard.
     """
-    if source.shard_lengths is not None:
+    remote = any(is_remote(s) for s in source.shards)
+    if source.shard_lengths is not None and remote:
         return {"num_samples": sum(source.shard_lengths), "num_classes": 0, "classes_exact": 0,
                 "lengths": list(source.shard_lengths)}
-    if any(is_remote(s) for s in source.shards):
+    if remote:
         raise DataError(f"cannot count the samples of remote shards ({source.shards[0]!r}, ...); "
                         f"set data.train_samples / data.val_samples")
     check = check_shards(source.shards, key, num_classes if num_classes else 2**62, cache_dir)
     if check.problem:
         raise DataError(check.problem)
+    if source.shard_lengths is not None:
+        _warn_info_lengths(source, check.lengths)
     meta = _metadata(source.shards)
     if meta is not None and meta.num_samples != check.num_samples:
         _logger.warning("%s says num_samples=%d but the shards hold %d samples: using %d "
@@ -73,13 +78,29 @@ def count(source: Source, key: str = "data", num_classes: Optional[int] = None,
             "classes_exact": 0, "lengths": check.lengths}
 
 
+def _warn_info_lengths(source: Source, counted: List[int]) -> None:
+    """Warns when timm's ``_info`` gives shard lengths other than the shards hold (too small,
+    samples would never be read; too large, samples would be read twice an epoch)."""
+    given = list(source.shard_lengths or [])
+    wrong = [(s, a, b) for s, a, b in zip(source.shards, given, counted) if a != b]
+    if not wrong:
+        return
+    folder = os.path.dirname(source.shards[0])
+    info = next((os.path.join(folder, n) for n in INFO_NAMES
+                 if os.path.isfile(os.path.join(folder, n))), os.path.join(folder, INFO_NAMES[0]))
+    shard, a, b = wrong[0]
+    more = f" (and {len(wrong) - 1} more shards differ)" if len(wrong) > 1 else ""
+    _logger.warning("%s gives %s %d samples but it holds %d%s: split %s holds %d samples, not "
+                    "%d; using the counted lengths (fix its shard_lengths, or remove it)", info,
+                    shard, a, b, more, source.split, sum(counted), sum(given))
+
+
 def lengths_of(source: Source, cache_dir: Optional[str] = None) -> Optional[List[int]]:
-    """The sample count of each shard: timm's ``_info``, else the start-up check's (cached, so
-    usually no tar is read again); None for remote shards or shards that do not pass."""
-    if source.shard_lengths is not None:
-        return list(source.shard_lengths)
+    """The sample count of each shard: the start-up check's (cached, so usually no tar is
+    read again), or timm's ``_info`` for remote shards; None for other remote shards or
+    shards that do not pass."""
     if any(is_remote(s) for s in source.shards):
-        return None
+        return list(source.shard_lengths) if source.shard_lengths is not None else None
     check = check_shards(source.shards, "data", 2**62, cache_dir)
     return None if check.problem else check.lengths
 
