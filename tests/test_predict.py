@@ -139,6 +139,7 @@ def test_errors_exit_2_and_name_the_fix(run, tmp_path, capsys):
     names.write_text(json.dumps(NAMES[:3]))
     empty = tmp_path / "empty"
     empty.mkdir()
+    (tmp_path / "dir.csv").mkdir()
     cases = [
         ([str(weights), folder, "--out", out], "not a training checkpoint"),
         ([str(damaged), folder, "--out", out], "cannot be read"),
@@ -147,6 +148,8 @@ def test_errors_exit_2_and_name_the_fix(run, tmp_path, capsys):
         ([ckpt, folder, "--out", out, "--classes", str(names)], "3 class names"),
         ([ckpt, str(empty), "--out", out], "no images"),
         ([ckpt, folder, "--out", str(tmp_path / "p.txt")], "name a .csv or a .json"),
+        ([ckpt, folder, "--out", str(empty)], "is a directory"),
+        ([ckpt, folder, "--out", str(tmp_path / "dir.csv")], "is a directory"),
         ([ckpt, str(tmp_path / "val-{000000..000003}.tar"), "--out", out], "shards are missing"),
     ]
     for argv, message in cases:

@@ -334,6 +334,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     fmt = os.path.splitext(args.out)[1].lower()
+    if os.path.isdir(args.out):
+        raise PredictError(f"--out {args.out!r} is a directory; name the .csv or .json file to "
+                           f"write, e.g. --out {os.path.join(args.out, 'predictions.csv')}")
     if fmt not in (".csv", ".json"):
         raise PredictError(f"--out {args.out!r}: name a .csv or a .json file")
     if args.top_k < 1 or args.batch_size < 1:
