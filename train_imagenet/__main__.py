@@ -124,7 +124,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     """`run` with its exit code (see `_main`); rank 0 also writes the code to the file that the
     environment variable DCVIT_EXIT_FILE names, if set (scripts/slurm_train.sh reads it to
-    decide whether to requeue the job: an uncaught exception is written as 1)."""
+    decide whether to requeue the job: an uncaught exception is written as 1). A file that
+    cannot be written is a warning: the process keeps its exit code."""
     code: Any = 1
     try:
         code = _main(argv)
@@ -135,7 +136,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         path = os.environ.get("DCVIT_EXIT_FILE")
         if path and os.environ.get("RANK", "0") == "0":
-            atomic_write(path, lambda tmp: _write_text(tmp, f"{code}\n"))
+            try:
+                atomic_write(path, lambda tmp: _write_text(tmp, f"{code}\n"))
+            except OSError as e:
+                print(f"warning: cannot write the exit code to DCVIT_EXIT_FILE={path!r} "
+                      f"({type(e).__name__}: {e.strerror or e}); the run's exit code {code} stands",
+                      file=sys.stderr, flush=True)
 
 
 def _write_text(path: str, text: str) -> None:
