@@ -20,7 +20,9 @@ def atomic_write(path: PathLike, write: Callable[[str], Any]) -> Path:
     """Call ``write(tmp_path)`` on a temporary file beside ``path``, then rename it to ``path``.
 
     The temporary file is removed if ``write`` raises; the final file gets the usual
-    permissions (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``.
+    permissions (``0o666`` less the umask), not ``mkstemp``'s private ``0o600``. The folder is
+    synced after the rename, so the new name survives a power loss once this returns (for the
+    bytes too, ``write`` syncs its file, as checkpoints do).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -34,7 +36,23 @@ def atomic_write(path: PathLike, write: Callable[[str], Any]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    _sync_dir(path.parent)
     return path
+
+
+def _sync_dir(folder: Path) -> None:
+    """fsync of `folder` (the renames in it made durable); a file system that cannot sync a
+    folder (EINVAL on some network mounts) is passed over."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_text(path: PathLike, text: str) -> Path:

@@ -27,3 +27,27 @@ def test_failed_write_leaves_old_file_and_no_temporary(tmp_path):
         atomic_write(path, broken)
     assert path.read_text().startswith('{\n  "old": true')
     assert [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_checkpoint_save_syncs_the_file_then_its_directory_after_the_rename(tmp_path, monkeypatch):
+    """POSIX durability: the file's bytes are synced before the rename and the directory (the
+    rename itself) after it, so a power loss cannot take the new name away."""
+    import torch
+
+    from train_imagenet.checkpoint import save_checkpoint
+    real_fsync, synced = os.fsync, []
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        synced.append(("dir" if stat.S_ISDIR(st.st_mode) else "file",
+                       sorted(p.name for p in tmp_path.iterdir())))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = save_checkpoint({"model": {"w": torch.ones(4)}, "epoch": 1, "update": 3}, str(tmp_path))
+    name = os.path.basename(path)
+    kinds = [kind for kind, _ in synced]
+    assert kinds == ["file", "dir"], synced
+    assert name not in synced[0][1] and synced[1][1] == [name]     # before and after the rename
+    synced.clear()
+    write_json(tmp_path / "eval.json", {"top1": 1.0})
+    assert [kind for kind, _ in synced][-1:] == ["dir"] and "eval.json" in synced[-1][1]

@@ -8,8 +8,9 @@ num_classes}); ``position`` (what ``batch`` means: the train data's identity, th
 batch and the world size, see `start.position_of`), ``totals`` (the epoch's running sums
 for its log record, mid-epoch) and ``record`` (the train record of the epoch just finished,
 at an epoch boundary, logged once its evaluation is done). Files are
-``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a temporary name and
-renamed, so a crash never leaves a half-written checkpoint under a real name, and a write
+``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a temporary name, synced,
+renamed and its folder synced (POSIX durability: after a power loss the new name is there
+with its bytes), so a crash never leaves a half-written checkpoint under a real name, and a write
 that fails (a full disk, a run directory made unwritable) leaves the previous checkpoints as
 they were and is a `CheckpointError` saying so.
 
