@@ -7,7 +7,12 @@ it: the batch index counts batches of its data order (the train data, the batch 
 process, the accumulation and the world size) and the update count places it on its
 schedule. Every checkpoint records them (`position_of`); a resume that changes them is
 refused before anything is loaded, unless ``resume_at_epoch_boundary=true`` asks to continue
-from the checkpoint's next epoch boundary with this run's data and schedule.
+from the checkpoint's next epoch boundary with this run's data and schedule. They also record
+the settings an epoch's order depends on (`data_order_of`: the seed, the loader workers, the
+shuffle buffer, the repeats): changed, they are taken at an epoch boundary, and refused from
+a mid-epoch checkpoint (the rest of its epoch would be read in another order) unless the run
+continues from the next boundary. A checkpoint of another optimizer (``optim.opt``) is
+refused: its state does not load into this run's.
 
 The learning-rate schedule is always this config's, placed at the checkpoint's update (as
 timm's train.py does): a resume with another ``epochs`` (or ``sched.*``, ``optim.lr``)
@@ -86,7 +91,31 @@ def position_of(cfg: Config, num_samples: int, world_size: int) -> Dict[str, Any
     data["num_samples"] = num_samples
     return {"train_data": data, "batch_size": cfg.batch_size, "accum_steps": cfg.accum_steps,
             "world_size": world_size,
-            "global_batch": cfg.batch_size * cfg.accum_steps * world_size}
+            "global_batch": cfg.batch_size * cfg.accum_steps * world_size,
+            "data_order": data_order_of(cfg, src.kind)}
+
+
+# The settings an epoch's order depends on besides the position's (a streamed source deals
+# its samples to (rank, worker) slots through shuffle buffers, stream.py; a folder's sampler
+# draws from the seed), each with the value that means the same order as it (0 workers read
+# as one, a buffer of 0 as one of 1).
+_ORDER_SETTINGS = {"seed": lambda v: v, "data.num_workers": lambda v: max(v, 1),
+                   "data.shuffle_buffer": lambda v: max(v, 1), "aug.repeated_aug": lambda v: v}
+
+
+def data_order_of(cfg: Config, kind: str) -> Dict[str, Any]:
+    """The settings the order of an epoch of `kind` of source depends on, by their keys."""
+    now = {"seed": cfg.seed, "data.num_workers": cfg.data.num_workers,
+           "data.shuffle_buffer": cfg.data.shuffle_buffer, "aug.repeated_aug": cfg.aug.repeated_aug}
+    if kind == "folder":
+        del now["data.num_workers"], now["data.shuffle_buffer"]
+    return now
+
+
+def _order_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[Tuple[str, Any, Any]]:
+    """(key, saved value, this run's) of the data order's settings that changed."""
+    return [(key, saved[key], now[key]) for key, same in _ORDER_SETTINGS.items()
+            if key in saved and key in now and same(saved[key]) != same(now[key])]
 
 
 def _describe_data(d: Dict[str, Any]) -> str:
@@ -134,6 +163,54 @@ def _schedule_changes(saved: Optional[Dict[str, Any]], cfg: Config) -> List[str]
               if k in now["sched"]]
     return [f"{key} {old!r} -> {new!r}" for key, old, new in pairs
             if old is not None and old != new]
+
+
+def _check_optimizer(state: Dict[str, Any], cfg: Config, path: str) -> None:
+    """Refuses a checkpoint of another optimizer (``optim.opt``): its state (another's moments
+    and settings) does not load into this run's, which would fail in the first step."""
+    saved = ((state.get("config") or {}).get("optim") or {}).get("opt")
+    if isinstance(saved, str) and saved.lower() != cfg.optim.opt.lower():
+        raise CheckpointError(
+            f"resume={path!r} was saved with optim.opt={saved!r}, this run has optim.opt="
+            f"{cfg.optim.opt!r}: the optimizer state it holds ({saved}'s) does not load into "
+            f"{cfg.optim.opt}; set optim.opt={saved} to continue the run, or start a new run "
+            f"from its weights in another output_dir with checkpoint={path}")
+
+
+def _order_at(state: Dict[str, Any], position: Dict[str, Any], path: str, info: DistInfo,
+              at_boundary: bool) -> List[str]:
+    """The changed settings of the data order (`data_order_of`) as changes of the position,
+    in words, where they matter: a mid-epoch checkpoint's epoch would go on in another order
+    (some of its samples trained twice, others never), which is refused unless the run
+    continues from the next epoch boundary (`at_boundary`); at an epoch boundary the new
+    settings deal the epochs to come, and the log says so. A checkpoint that does not record
+    them (an older version's) is not checked."""
+    saved = (state.get("position") or {}).get("data_order")
+    epoch, batch = state["epoch"], state["batch"]
+    if saved is None:
+        if batch:
+            log_main(info, f"{path} does not record the settings its data order depends on "
+                           f"(saved by an older version): they are not checked, and the rest "
+                           f"of epoch {epoch} is read in this version's order, which may differ "
+                           f"(resume_at_epoch_boundary=true continues from the start of epoch "
+                           f"{epoch + 1} instead)")
+        return []
+    found = _order_changes(saved, position["data_order"])
+    said = [f"{key} {old} -> {new}" for key, old, new in found]
+    if not found or not batch:
+        if found:
+            log_main(info, f"{'; '.join(said)} changed at an epoch boundary: epoch {epoch} and "
+                           f"those after it are dealt with the new settings")
+        return []
+    if not at_boundary:
+        raise CheckpointError(
+            f"resume={path!r} stopped in epoch {epoch}, batch {batch}, and the order the rest "
+            f"of that epoch is read in depends on settings this run changed ({'; '.join(said)}): "
+            f"some of its samples would be trained twice and others never. Set "
+            f"{' '.join(f'{key}={old}' for key, old, _ in found)} to finish the epoch (change "
+            f"them at an epoch boundary), or set resume_at_epoch_boundary=true to continue from "
+            f"the start of epoch {epoch + 1}")
+    return said
 
 
 def load_start_weights(model: torch.nn.Module, path: str, cfg: Config) -> Optional[Dict[str, Any]]:
@@ -228,6 +305,7 @@ def _load_start(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: DistI
                                   f"{', '.join(missing)}); to start from its weights set "
                                   f"checkpoint={path} instead")
         check_arch(state, arch_of(cfg), path)
+        _check_optimizer(state, cfg, path)
         changes = _position_changes(state["position"], position) if "position" in state else []
         derived = Start(state["update"], updates_per_epoch, cfg.accum_steps)
         if not changes and (derived.epoch, derived.batch) != (state["epoch"], state["batch"]):
@@ -235,6 +313,8 @@ def _load_start(cfg: Config, model: torch.nn.Module, recipe: Recipe, info: DistI
                            f"{derived.batch} at {updates_per_epoch} updates per epoch, not epoch "
                            f"{state['epoch']}, batch {state['batch']} (an epoch of that run "
                            f"ended early)")
+        changes += _order_at(state, position, path, info,
+                             bool(changes) or cfg.resume_at_epoch_boundary)
         if changes and not cfg.resume_at_epoch_boundary:
             raise CheckpointError(
                 f"resume={path!r} is a checkpoint of another run: its position (epoch "
