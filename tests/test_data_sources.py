@@ -202,6 +202,55 @@ def test_parquet_class_names_come_from_the_card(tmp_path):
     assert source_of(_cfg(layout), "train").classes == L.NAMES
 
 
+def _damage_parquet(path, column, group=0):
+    """Overwrites the middle third of `column`'s chunk in row group `group` of a Parquet file
+    (its compressed pages, or a page header: pyarrow's error then spans lines)."""
+    import pyarrow.parquet as pq
+    meta = pq.ParquetFile(path).metadata.row_group(group)
+    chunk = next(meta.column(c) for c in range(meta.num_columns)
+                 if meta.column(c).path_in_schema == column)
+    start, size = chunk.dictionary_page_offset or chunk.data_page_offset, chunk.total_compressed_size
+    with open(path, "r+b") as f:
+        f.seek(start + size // 3)
+        f.write(b"\xff" * (size // 3))
+
+
+@pytest.mark.parametrize("column", ["image.path", "image.bytes", "label"])
+def test_parquet_with_damaged_pages_is_named_at_start_up(tmp_path, capsys, column):
+    """Issue 44.13: corrupt data pages (`OSError: Corrupt snappy compressed data`) end the
+    start with one line naming the file, as a corrupt shard does; nothing is trained."""
+    from train_imagenet.__main__ import main
+    layout = L.hf_parquet(str(tmp_path / "hf"))
+    path = os.path.join(layout.root, "data", "train-00000-of-00002.parquet")
+    _damage_parquet(path, column)
+    out = tmp_path / "run"
+    assert main([f"data.train={layout.root}", f"data.val={layout.root}", f"output_dir={out}",
+                 *TINY_RUN, "data.num_classes=4", "epochs=1", "aug.no_aug=true", "aug.mixup=0",
+                 "aug.cutmix=0"]) == 2
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"{path!r}" in errors[0] and "download it again" in errors[0], err
+    assert "Traceback" not in err and not (out / "log.jsonl").exists()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_parquet_damaged_while_training_is_one_line_naming_it(tmp_path, workers):
+    """A row group damaged after the start fails the epoch as a shard truncated mid-run
+    does: one line naming the file and the row group, not pyarrow's lines or the worker's
+    traceback."""
+    layout = L.hf_parquet(str(tmp_path / "hf"))
+    pipe = build_data(_cfg(layout, f"data.num_workers={workers}"), "train")
+    path = os.path.join(layout.root, "data", "train-00001-of-00002.parquet")
+    _damage_parquet(path, "label")                   # a page header: a message of 3 lines
+    with pytest.raises(DataError) as err:
+        for _ in pipe.loader(0):
+            pass
+    text = str(err.value)
+    assert "\n" not in text and "Traceback" not in text and "DataLoader worker" not in text
+    assert text.startswith(f"{path!r} cannot be read (row group 0: OSError: ") and \
+        "download it again" in text
+
+
 def test_parquet_without_pyarrow_says_which_extra(tmp_path, monkeypatch):
     import builtins
     layout = L.hf_parquet(str(tmp_path / "hf"))

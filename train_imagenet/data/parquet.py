@@ -28,6 +28,13 @@ def _pq() -> Any:
     return pq
 
 
+def _why(e: Exception) -> str:
+    """pyarrow's error in one printable line (a damaged page header's message spans lines and
+    holds the bytes it could not read)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: " + "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def files_of(folder: str) -> List[str]:
     """The .parquet files of `folder` or of its ``data/``, sorted."""
     for where in (folder, os.path.join(folder, "data")):
@@ -95,7 +102,7 @@ def _units(source: Source) -> Tuple[List[Tuple[str, int]], List[int]]:
         try:
             meta = pq.ParquetFile(path).metadata
         except Exception as e:  # pyarrow.lib.ArrowInvalid, OSError
-            raise DataError(f"{path!r} cannot be read as Parquet ({type(e).__name__}: {e}); "
+            raise DataError(f"{path!r} cannot be read as Parquet ({_why(e)}); "
                             f"download it again") from None
         for g in range(meta.num_row_groups):
             units.append((path, g))
@@ -116,8 +123,9 @@ def count(source: Source, key: str = "data", num_classes: Optional[int] = None,
         except KeyError:
             raise DataError(f"{key}: {path!r} has no 'label' column; a Hugging Face image "
                             f"classification release has 'image' and 'label'") from None
-        except Exception as e:  # pyarrow.lib.ArrowInvalid
-            raise DataError(f"{key}: {path!r} has no readable 'label' column ({e})") from None
+        except Exception as e:  # pyarrow.lib.ArrowInvalid, OSError: damaged pages
+            raise DataError(f"{key}: {path!r} has no readable 'label' column ({_why(e)}): its "
+                            f"data pages are damaged; download it again") from None
         unlabelled += sum(1 for v in column if v is None or v < 0)
         known = [v for v in column if v is not None and v >= 0]
         if known:
@@ -143,8 +151,10 @@ def read_row_group(unit: Tuple[str, int]) -> Iterator[Dict[str, Any]]:
     except DataError:
         raise
     except Exception as e:  # pyarrow.lib.ArrowInvalid, OSError
-        raise DataError(f"{path!r} cannot be read (row group {group}: {type(e).__name__}: {e}); "
-                        f"it changed or its storage failed since the start: download it again") from None
+        raise DataError(f"{path!r} cannot be read (row group {group}: {_why(e)}): its data pages "
+                        f"are damaged (the start-up check reads its metadata, labels and image "
+                        f"names), or it changed or its storage failed since the start; download "
+                        f"it again") from None
     images, labels = table.column("image").to_pylist(), table.column("label").to_pylist()
     for i, (image, label) in enumerate(zip(images, labels)):
         image = image or {}
@@ -170,5 +180,9 @@ def keys(source: Source) -> List[str]:
     pq = _pq()
     out: List[str] = []
     for path in source.shards:
-        out += pq.read_table(path, columns=["image.path"]).column(0).to_pylist()
+        try:
+            out += pq.read_table(path, columns=["image.path"]).column(0).to_pylist()
+        except Exception as e:  # pyarrow.lib.ArrowInvalid, OSError: damaged pages
+            raise DataError(f"{path!r} cannot be read (its image names, the column image.path: "
+                            f"{_why(e)}): its data pages are damaged; download it again") from None
     return [k for k in out if k]
