@@ -32,9 +32,11 @@ def atomic_write(path: PathLike, write: Callable[[str], Any]) -> Path:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and e.filename is None:   # a failed write names no file
+            e.filename = str(path)
         raise
     _sync_dir(path.parent)
     return path

@@ -331,7 +331,8 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(data, tmp_path, c
     kept = list_checkpoints(str(out))
     assert [os.path.basename(p) for p in kept] == ["ckpt-e0000-u00000002.pth", "ckpt-e0000-u00000004.pth"]
     assert f"error: no space left on " in err and \
-        f"writing {out / 'ckpt-e0000-u00000006.pth'}; the previous checkpoint is kept ({kept[-1]})" in err
+        f"writing {out / 'ckpt-e0000-u00000006.pth'}; the checkpoints already there are intact (the " \
+        f"newest: {kept[-1]})" in err
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
     load_checkpoint(kept[-1])
     monkeypatch.setattr(checkpoint_mod, "_save", real_save)       # space freed: resume

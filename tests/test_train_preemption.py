@@ -3,6 +3,7 @@ and exit code 75, mid-epoch, during an evaluation or during a save; the resumed 
 bit-identical to an uninterrupted one, with every epoch logged once. One process here; the
 torchrun cases (signals to the launcher and to one rank, a lost node) are in
 test_train_distributed.py."""
+import json
 import os
 import signal
 
@@ -14,6 +15,7 @@ import train_imagenet.results as results_mod
 import train_imagenet.trainer as trainer_mod
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
+from train_imagenet.logs import CSV_FIELDS
 from train_imagenet.preemption import EXIT_PREEMPTED
 from train_helpers import TINY_RUN, read_records as _records
 
@@ -113,3 +115,22 @@ def test_sigterm_during_a_save_ends_with_that_checkpoint(data, full, tmp_path, m
     monkeypatch.setattr(trainer_mod, "save_checkpoint", real)
     assert _run(data, out) == 0                 # evaluates and logs epoch 0, then trains on
     _same_run(full, out)
+
+
+def test_line_cut_short_by_a_kill_is_not_continued_on_resume(data, full, tmp_path, monkeypatch,
+                                                             caplog):
+    """A run killed while appending epoch 0's record leaves a line cut short in log.jsonl and
+    summary.csv: the resumed run removes it (with a warning) and writes the record again
+    (its checkpoint holds it), so every line parses and the run equals an uninterrupted one."""
+    real = _signal_before(monkeypatch, trainer_mod, "save_checkpoint")
+    out = tmp_path / "out"
+    assert _run(data, out) == EXIT_PREEMPTED             # epoch 0 saved, not yet logged
+    record = load_checkpoint(list_checkpoints(str(out))[-1])["record"]
+    (out / "log.jsonl").write_text(json.dumps(record)[:25])
+    (out / "summary.csv").write_text(",".join(CSV_FIELDS) + "\n0,2.3")
+    monkeypatch.setattr(trainer_mod, "save_checkpoint", real)
+    assert _run(data, out) == 0
+    _same_run(full, out)                                 # every line of log.jsonl parses
+    with open(out / "summary.csv") as f:
+        assert [ln.split(",")[0] for ln in f.read().splitlines()] == ["epoch", "0", "1"]
+    assert f"{out / 'log.jsonl'} ended in a line cut short (25 bytes" in caplog.text

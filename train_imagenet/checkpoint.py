@@ -11,8 +11,9 @@ at an epoch boundary, logged once its evaluation is done). Files are
 ``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a temporary name, synced,
 renamed and its folder synced (POSIX durability: after a power loss the new name is there
 with its bytes), so a crash never leaves a half-written checkpoint under a real name, and a write
-that fails (a full disk, a run directory made unwritable) leaves the previous checkpoints as
-they were and is a `CheckpointError` saying so.
+that fails (a full disk, a file over ``ulimit -f``, a run directory made unwritable) leaves the
+previous checkpoints as they were and is a `CheckpointError` saying so (`refused_writes`, also
+for the run's logs and results).
 
 Every checkpoint carries ``checksum``: the SHA-256 of its content (each tensor's dtype, shape
 and bytes, every other value's type and repr, in order), checked whenever it is loaded, so
@@ -28,7 +29,9 @@ import os
 import pickle
 import random
 import re
-from typing import Any, Dict, List, Optional, Tuple
+import resource
+from contextlib import contextmanager
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -37,7 +40,7 @@ from dcvit.io import atomic_write
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_latest",
            "list_checkpoints", "capture_rng", "restore_rng", "seed_all", "check_arch", "load_model_weights",
-           "content_digest", "load_error"]
+           "content_digest", "load_error", "refused_writes", "write_refused"]
 
 _NAME = re.compile(r"ckpt-e(\d+)-u(\d+)\.pth$")
 _logger = logging.getLogger(__name__)
@@ -110,23 +113,8 @@ def save_checkpoint(state: Dict[str, Any], run_dir: str, keep: int = 2) -> str:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, f"ckpt-e{state['epoch']:04d}-u{state['update']:08d}.pth")
     state = {**state, "checksum": {"sha256": content_digest(state)}}
-    try:
+    with refused_writes(path, run_dir, "the checkpoints already there are intact"):
         atomic_write(path, lambda tmp: _save(state, tmp))
-    except (OSError, RuntimeError) as e:
-        kept = list_checkpoints(run_dir)
-        last = kept[-1] if kept else "none was saved yet"
-        if _out_of_space(e):
-            raise CheckpointError(
-                f"no space left on {_device_of(run_dir)} writing {path}; the previous checkpoint is "
-                f"kept ({last}). Free space there (or set output_dir elsewhere and copy the run), "
-                f"then resume=auto") from e
-        denied = _denied(e)
-        if denied is None:
-            raise
-        raise CheckpointError(
-            f"cannot write {denied.filename or path} ({denied.strerror}): output_dir {run_dir} is no "
-            f"longer writable; the checkpoints already there are intact (the newest: {last}). Make "
-            f"it writable again (or copy the run to a writable output_dir), then resume=auto") from e
     for old in list_checkpoints(run_dir)[:-keep]:
         try:
             os.remove(old)
@@ -135,24 +123,60 @@ def save_checkpoint(state: Dict[str, Any], run_dir: str, keep: int = 2) -> str:
     return path
 
 
-def _denied(e: Optional[BaseException]) -> Optional[OSError]:
-    """The OSError in `e`'s chain that refused access (EACCES, EPERM: permissions; EROFS: a
-    file system mounted read-only), or None."""
+def _cause(e: Optional[BaseException], errnos: Tuple[int, ...]) -> Optional[OSError]:
+    """The OSError in `e`'s chain whose errno is one of `errnos`, or None (torch's writer
+    raises a RuntimeError while closing the file, from the OSError of the write)."""
     while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if isinstance(e, OSError) and e.errno in errnos:
             return e
         e = e.__cause__ or e.__context__
     return None
 
 
-def _out_of_space(e: Optional[BaseException]) -> bool:
-    """Whether `e` or an exception it was raised from is ENOSPC/EDQUOT (torch's writer raises a
-    RuntimeError while closing the file, from the OSError of the write)."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+def write_refused(e: BaseException, path: str, run_dir: str, kept: str) -> Optional[CheckpointError]:
+    """The CheckpointError for a write of `path` in the run directory `run_dir` that the file
+    system refused, or None for any other error: no space (ENOSPC; EDQUOT: a quota), a file
+    larger than the process may write (EFBIG: ``ulimit -f``), no access (EACCES, EPERM;
+    EROFS: mounted read-only) or a directory in the file's place (EISDIR), each found also
+    where torch wraps it. `kept` says what is intact (the newest checkpoint is named after
+    it); the message ends with the fix, then resume=auto."""
+    kept = f"{kept} (the newest: {(list_checkpoints(run_dir) or ['none was saved yet'])[-1]})"
+    found = _cause(e, (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
+                       errno.EROFS, errno.EISDIR))
+    if found is None:
+        return None
+    path = found.filename2 or found.filename or path    # EISDIR of a rename names the folder second
+    if found.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CheckpointError(
+            f"no space left on {_device_of(run_dir)} writing {path}; {kept}. Free space there (or "
+            f"set output_dir elsewhere and copy the run), then resume=auto")
+    if found.errno == errno.EFBIG:
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return CheckpointError(
+            f"cannot write {path}: it is larger than this process may write (ulimit -f: "
+            f"{'unlimited' if limit == resource.RLIM_INFINITY else f'{limit} bytes'}, or the "
+            f"file system's largest file); {kept}. Raise the limit (ulimit -f unlimited in the "
+            f"job script), then resume=auto")
+    if found.errno == errno.EISDIR:
+        return CheckpointError(f"cannot write {path}: a directory is in its place; {kept}. Remove "
+                               f"or rename that directory, then resume=auto")
+    return CheckpointError(
+        f"cannot write {path} ({found.strerror}): output_dir {run_dir} is no longer writable; "
+        f"{kept}. Make it writable again (or copy the run to a writable output_dir), then "
+        f"resume=auto")
+
+
+@contextmanager
+def refused_writes(path: str, run_dir: str, kept: str) -> Iterator[None]:
+    """``with refused_writes(path, run_dir, kept):`` a write of `path` that the file system
+    refuses is raised as `write_refused`'s CheckpointError (exit 2, one line)."""
+    try:
+        yield
+    except (OSError, RuntimeError) as e:
+        refused = write_refused(e, path, run_dir, kept)
+        if refused is None:
+            raise
+        raise refused from e
 
 
 def _save(state: Dict[str, Any], tmp: str) -> None:

@@ -21,6 +21,8 @@ from dcvit.io import unwritable_dir
 __all__ = ["RunDirError", "RunLock", "prepare_run_dir"]
 
 LOCK_NAME = ".lock"
+RUN_FILES = ("config.yaml", "eval_config.yaml", "log.jsonl", "summary.csv", "eval.json",
+             "eval_ema.json")                   # what a run writes in its output_dir
 _logger = logging.getLogger(__name__)
 
 
@@ -73,11 +75,16 @@ class RunLock:
 
 
 def prepare_run_dir(run_dir: str) -> RunLock:
-    """Creates `run_dir`, checks it can be written, takes its lock and removes the temporary
+    """Creates `run_dir`, checks it can be written (a directory in the place of a file the run
+    writes is refused too), takes its lock and removes the temporary
     files of writes a killed run left behind (``.NAME.XXXX.tmp``, see ``dcvit.io``)."""
     problem = unwritable_dir(run_dir, "output_dir")
     if problem:
         raise RunDirError(problem)
+    in_place = [name for name in RUN_FILES if os.path.isdir(os.path.join(run_dir, name))]
+    if in_place:
+        raise RunDirError(f"output_dir {run_dir!r} has a directory named {in_place[0]}, where the "
+                          f"run writes its file of that name; remove or rename that directory")
     try:
         os.makedirs(run_dir, exist_ok=True)
         lock = RunLock(run_dir).acquire()

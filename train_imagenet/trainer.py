@@ -12,12 +12,12 @@ epoch's own (its evaluation then left to the resumed run)."""
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
 from .checkpoint import (CheckpointError, capture_rng, load_latest, load_model_weights,
-                         save_checkpoint)
+                         refused_writes, save_checkpoint)
 from .config import Config, config_to_dict, save_config
 from .data import DataPipe
 from .distributed import DistInfo, all_gather_object, broadcast_object, log_main, waiting_for
@@ -29,9 +29,10 @@ from .recipe import Recipe, build_recipe
 from .results import evaluate_both, report_skipped, write_epoch_results, write_results
 from .start import Start, arch_of, load_start_weights, position_of, start_training
 
-__all__ = ["train", "evaluate_checkpoint", "write_config", "Run"]
+__all__ = ["train", "evaluate_checkpoint", "write_config", "on_main", "Run"]
 
 Results = Tuple[Dict[str, float], Optional[Dict[str, float]]]   # metrics, the EMA's metrics
+RECORDS_KEPT = "the checkpoints are intact, and resume=auto writes the records that are missing"
 
 
 def write_config(cfg: Config, info: DistInfo) -> None:
@@ -78,8 +79,33 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
         log_main(info, f"final evaluation of {start.resumed_from}: top1 {results[0]['top1']:.2f}")
     run.runlog.close()
     if results is not None:
-        write_results(cfg, info, *results, run.last_path)
+        on_main(info, "results", lambda: write_results(cfg, info, *results, run.last_path),
+                cfg.output_dir)
     return 0
+
+
+def on_main(info: DistInfo, what: str, write: Callable[[], Any], records_in: str = "") -> Any:
+    """`write()` on rank 0 (`what` it writes), its result broadcast; a write refused there (a
+    CheckpointError: a full disk, an unwritable output_dir) is raised on every rank. With
+    `records_in` (the run directory) `write` writes the run's records (log.jsonl, summary.csv,
+    eval*.json), and a refused write of one is such an error too (`refused_writes`), whose
+    record the resumed run writes."""
+    result: Any = None
+    if info.is_main:
+        try:
+            if records_in:
+                with refused_writes(records_in, records_in, RECORDS_KEPT):
+                    result = write()
+            else:
+                result = write()
+        except CheckpointError as e:
+            result = e
+    if info.enabled:
+        waiting_for(f"rank 0's {what}")
+        result = broadcast_object(result)
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def _ema(cfg: Config, model: torch.nn.Module, start: Start) -> Optional[Any]:
@@ -131,29 +157,21 @@ class Run:
         cfg, info, recipe = self.cfg, self.info, self.recipe
         waiting_for(f"the RNG states for the checkpoint of epoch {epoch}, update {update}")
         gathered = all_gather_object((capture_rng(), totals.skipped if totals else 0))
-        result: Any = ""
-        if info.is_main:
-            try:
-                result = save_checkpoint({
-                    "model": self.model.state_dict(),
-                    "ema": self.ema.module.state_dict() if self.ema else None,
-                    "optimizer": recipe.optimizer.state_dict(),
-                    "scheduler": recipe.scheduler.state_dict(),
-                    "scaler": recipe.scaler.state_dict() if recipe.scaler else None,
-                    "epoch": epoch, "batch": batch,
-                    "update": update, "rng": [g[0] for g in gathered], "arch": arch_of(cfg),
-                    "config": config_to_dict(cfg), "position": self.position,
-                    "totals": totals.to_saved([g[1] for g in gathered]) if totals else None,
-                    "record": record,
-                }, cfg.output_dir, cfg.keep_checkpoints)
-            except CheckpointError as e:
-                result = e
-        if info.enabled:
-            waiting_for(f"rank 0's save of the checkpoint of epoch {epoch}, update {update}")
-            result = broadcast_object(result)
-        if isinstance(result, Exception):
-            raise result
-        return result
+
+        def write() -> str:
+            return save_checkpoint({
+                "model": self.model.state_dict(),
+                "ema": self.ema.module.state_dict() if self.ema else None,
+                "optimizer": recipe.optimizer.state_dict(),
+                "scheduler": recipe.scheduler.state_dict(),
+                "scaler": recipe.scaler.state_dict() if recipe.scaler else None,
+                "epoch": epoch, "batch": batch,
+                "update": update, "rng": [g[0] for g in gathered], "arch": arch_of(cfg),
+                "config": config_to_dict(cfg), "position": self.position,
+                "totals": totals.to_saved([g[1] for g in gathered]) if totals else None,
+                "record": record,
+            }, cfg.output_dir, cfg.keep_checkpoints)
+        return on_main(info, f"save of the checkpoint of epoch {epoch}, update {update}", write)
 
     def on_update(self, state: EpochState) -> None:
         """The mid-epoch checkpoints (the epoch's last update is saved with its record)."""
@@ -211,9 +229,13 @@ class Run:
             record.update(top1=metrics["top1"], top5=metrics["top5"], val_loss=metrics["loss"])
             if ema_metrics is not None:
                 record.update(ema_top1=ema_metrics["top1"], ema_top5=ema_metrics["top5"])
-            write_epoch_results(cfg, info, done, metrics, ema_metrics, self.last_path)
         record["peak_mem_mb"] = peak_memory_mb(info.device)
-        self.runlog.epoch(record)
+
+        def write() -> None:
+            if evaluated is not None:
+                write_epoch_results(cfg, info, done, *evaluated, self.last_path)
+            self.runlog.epoch(record)
+        on_main(info, f"log of epoch {record['epoch']}", write, cfg.output_dir)
         log_main(info, " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                 for k, v in record.items()))
         return evaluated
@@ -236,5 +258,6 @@ def evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info
         load_model_weights(model, state["ema"], path, what="EMA")
         ema_metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
         log_main(info, f"EMA: top1 {ema_metrics['top1']:.2f} top5 {ema_metrics['top5']:.2f}")
-    write_results(cfg, info, metrics, ema_metrics, path)
+    on_main(info, "results", lambda: write_results(cfg, info, metrics, ema_metrics, path),
+            cfg.output_dir)
     return 0
