@@ -17,7 +17,8 @@
 #     preemption, sends TERM, handled the same way. The job is requeued.
 #   - a failed run (a lost node or rank: exit 4 with one line naming it) is requeued, at most
 #     DCVIT_MAX_REQUEUES times (default 3) in a row of failures. Rank 0 writes its exit code to
-#     $DCVIT_EXIT_FILE: a user error (exit 2) or a non-finite loss (exit 3) is never requeued.
+#     $DCVIT_EXIT_FILE: a user error (exit 2), a non-finite loss (exit 3) or a Ctrl-C to an
+#     interactive srun (exit 130, saved like a stop) is never requeued.
 # batch_size is per process: with 4 nodes x 8 GPUs and batch_size=128 the global batch is 4096
 # and the lr scales with it (optim.lr is given at optim.lr_batch_size); pass batch_size=32 to
 # keep the recipe's 1024.
@@ -76,7 +77,7 @@ if [[ -n $stopped || $rank0 == 75 ]]; then
     scontrol requeue "$SLURM_JOB_ID"
 elif (( code == 0 )); then
     rm -f "$failures_file"
-elif [[ $rank0 != 2 && $rank0 != 3 ]] && (( failures < max_requeues )); then
+elif [[ $rank0 != 2 && $rank0 != 3 && $rank0 != 130 ]] && (( failures < max_requeues )); then
     echo $((failures + 1)) > "$failures_file"
     echo "[slurm_train] the run failed (srun exit $code, rank 0 exit $rank0): requeueing job" \
          "$SLURM_JOB_ID (restart $((failures + 1)) of $max_requeues); it resumes from its checkpoint"

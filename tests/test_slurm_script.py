@@ -1,7 +1,7 @@
 """scripts/slurm_train.sh's job-level restarts, with stand-ins for srun, scontrol and scancel
 on PATH: a run stopped by a signal (rank 0's exit 75, or USR1 to the batch script before the
 time limit) is requeued; a failed run (a lost node) is requeued at most DCVIT_MAX_REQUEUES
-times in a row; a user error (exit 2) is not."""
+times in a row; a user error (exit 2) or a Ctrl-C (exit 130) is not."""
 import os
 import signal
 import subprocess
@@ -94,4 +94,6 @@ def test_a_lost_node_is_requeued_a_bounded_number_of_times_and_a_user_error_neve
     assert calls()[1:] == []                                   # the fourth failure in a row
     (tmp_path / "submit" / ".dcvit-failures-77").unlink()
     _finish(start("exit 2"))
+    assert calls()[1:] == []
+    _finish(start("exit 130"))                                 # Ctrl-C: saved, and stopped
     assert calls()[1:] == []

@@ -1,11 +1,14 @@
-"""Stop signals (SIGTERM, SIGUSR1) end a run after the update in progress with a checkpoint
-and exit code 75, mid-epoch, during an evaluation or during a save; the resumed run ends
+"""Stop signals (SIGTERM, SIGUSR1, SIGHUP; SIGINT with exit code 130) end a run after the
+update in progress with a checkpoint and exit code 75, mid-epoch, during an evaluation or
+during a save, and a second signal does not kill the process as it ends; the resumed run ends
 bit-identical to an uninterrupted one, with every epoch logged once. One process here; the
 torchrun cases (signals to the launcher and to one rank, a lost node) are in
 test_train_distributed.py."""
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,9 +19,10 @@ import train_imagenet.trainer as trainer_mod
 from train_imagenet.__main__ import main
 from train_imagenet.checkpoint import list_checkpoints, load_checkpoint
 from train_imagenet.logs import CSV_FIELDS
-from train_imagenet.preemption import EXIT_PREEMPTED
+from train_imagenet.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED
 from train_helpers import TINY_RUN, read_records as _records
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [*TINY_RUN, "epochs=2", "aug.mixup=0", "aug.cutmix=0", "drop_path=0.1"]
 KEYS = ("train_loss", "lr", "top1", "top5", "val_loss", "corrupt_skipped")
 
@@ -58,27 +62,35 @@ def _signal_at(sig):
     os.kill(os.getpid(), sig)
 
 
-def test_sigusr1_mid_epoch_saves_there_and_resumes_identically(data, full, tmp_path, capsys,
-                                                               monkeypatch):
-    real = engine_mod.train_step
+@pytest.mark.parametrize("sig, code", [(signal.SIGUSR1, EXIT_PREEMPTED), (signal.SIGHUP, EXIT_PREEMPTED),
+                                       (signal.SIGINT, EXIT_INTERRUPTED)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_stop_signal_mid_epoch_saves_there_and_resumes_identically(data, full, tmp_path, capsys,
+                                                                   monkeypatch, sig, code):
+    """SIGUSR1, SIGHUP (a closed terminal) and SIGINT (Ctrl-C) save at the signal and print
+    one line with the command that continues; Ctrl-C exits 130, the others 75."""
+    real, before = engine_mod.train_step, signal.getsignal(sig)
 
     def step(loop, batch, state):
         state = real(loop, batch, state)
         if state.update == 15 and state.batch == 3:          # epoch 1, batch 3
-            _signal_at(signal.SIGUSR1)
+            _signal_at(sig)
         return state
     monkeypatch.setattr(engine_mod, "train_step", step)
     out = tmp_path / "out"
-    assert _run(data, out) == EXIT_PREEMPTED
+    assert _run(data, out) == code
     newest = list_checkpoints(str(out))[-1]
     assert newest.endswith("ckpt-e0001-u00000015.pth")
     saved = load_checkpoint(newest)
     assert (saved["epoch"], saved["batch"], saved["totals"]["loss_n"]) == (1, 3, 3)
-    lines = [ln for ln in capsys.readouterr().err.splitlines() if "stopped by" in ln]
-    assert len(lines) == 1 and "stopped by SIGUSR1 after epoch 1, batch 3, update 15" in lines[0]
-    assert newest in lines[0] and "exit code 75" in lines[0]
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "stopped by" in ln]
+    assert len(lines) == 1 and f"stopped by {sig.name} after epoch 1, batch 3, update 15" in lines[0]
+    assert newest in lines[0] and f"exit code {code}; to continue: python -m train_imagenet " \
+        f"data.train={data.root} " in lines[0] and lines[0].endswith(" resume=auto")
+    assert lines[0].count("resume=") == 1 and "Traceback" not in err
     assert [r["epoch"] for r in _records(out)] == [0]
-    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL     # the handlers are put back
+    assert signal.getsignal(sig) is before                     # the handlers are put back
     monkeypatch.setattr(engine_mod, "train_step", real)
     assert _run(data, out) == 0
     _same_run(full, out)
@@ -134,3 +146,20 @@ def test_line_cut_short_by_a_kill_is_not_continued_on_resume(data, full, tmp_pat
     with open(out / "summary.csv") as f:
         assert [ln.split(",")[0] for ln in f.read().splitlines()] == ["epoch", "0", "1"]
     assert f"{out / 'log.jsonl'} ended in a line cut short (25 bytes" in caplog.text
+
+
+@pytest.mark.parametrize("sig, code", [("SIGTERM", EXIT_PREEMPTED), ("SIGINT", EXIT_INTERRUPTED)])
+def test_second_signal_50ms_later_leaves_the_exit_code(data, tmp_path, sig, code):
+    """SLURM and torchrun each forward a SIGTERM (a user presses Ctrl-C twice): the process
+    run as `python -m train_imagenet` saves and exits with its code, not killed by the second
+    (status 143 or 130, or a KeyboardInterrupt traceback)."""
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "signal_after_update.py"),
+                        f"twice-{sig}", "3", f"data.train={data.root}", f"data.val={data.root}",
+                        f"output_dir={out}", *TINY], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    assert p.returncode == code, p.stderr[-3000:]
+    lines = [ln for ln in p.stderr.splitlines() if "stopped by" in ln]
+    assert len(lines) == 1 and f"stopped by {sig} after epoch 0, batch 3, update 3" in lines[0]
+    assert list_checkpoints(str(out))[-1].endswith("ckpt-e0000-u00000003.pth")
+    assert "Traceback" not in p.stderr

@@ -11,6 +11,7 @@ and the run's config.yaml is written only once they all passed.
 """
 import argparse
 import os
+import shlex
 import sys
 from typing import Any, Callable, Dict, List, Optional
 
@@ -24,7 +25,7 @@ from .data import DataError, build_data, count_samples, is_remote, resolve_sourc
 from .distributed import (DistInfo, broadcast_object, init_distributed, log_main,
                           lost_peer_message, shutdown, timeout_message, waiting_for)
 from .engine import NonFiniteLoss
-from .preemption import EXIT_PREEMPTED, Preempted, StopOnSignal, received
+from .preemption import Preempted, StopOnSignal, exit_code, hold_after_stop, received
 from .finetune import conversion_to_apply
 from .model import build_model, input_norm
 from .recipe import check_recipe
@@ -152,8 +153,9 @@ def _write_text(path: str, text: str) -> None:
 def _main(argv: Optional[List[str]] = None) -> int:
     """Exit codes: 0 done, 2 bad config/data/checkpoint/output directory, 3 non-finite loss,
     4 a collective that waited longer than dist_timeout or lost a peer rank's process or
-    node, 75 stopped by SIGTERM/SIGUSR1 with a checkpoint (`preemption`), each with a one-line
-    message (and the traceback with --debug). The errors of 2 and 3 and a stop are raised on
+    node, 75 stopped by SIGTERM/SIGUSR1/SIGHUP with a checkpoint and 130 by SIGINT (Ctrl-C)
+    with a checkpoint (`preemption`), each with a one-line message (and the traceback with
+    --debug). The errors of 2 and 3 and a stop are raised on
     every rank alike, so the process group is closed cleanly; after a timeout or a lost peer,
     and for any other exception (which
     propagates), it is not closed (closing could wait for a peer blocked in a collective),
@@ -174,12 +176,12 @@ def _main(argv: Optional[List[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         code = 2
     except Preempted as p:
+        code = exit_code()
         if os.environ.get("RANK", "0") == "0":
             print(f"[train_imagenet] stopped by {received() or 'a stop signal to another rank'} "
                   f"after epoch {p.epoch}, batch {p.batch}, update {p.update}: {p.path} holds the "
-                  f"run up to there; exit code {EXIT_PREEMPTED} (run it again with resume=auto "
-                  f"to continue)", file=sys.stderr, flush=True)
-        code = EXIT_PREEMPTED
+                  f"run up to there; exit code {code}; {_to_continue(args)}",
+                  file=sys.stderr, flush=True)
     except Exception as e:
         timeout, lost = timeout_message(e, cfg.dist_timeout if cfg else 0), lost_peer_message(e)
         if (timeout or lost) is None or args.debug:
@@ -195,5 +197,16 @@ def _main(argv: Optional[List[str]] = None) -> int:
     return code
 
 
+def _to_continue(args: argparse.Namespace) -> str:
+    """How to continue a stopped run: this command with resume=auto (under a launcher such as
+    torchrun, the launcher's command)."""
+    if "LOCAL_RANK" in os.environ:
+        return "to continue, run the job again with resume=auto"
+    words = ["python", "-m", "train_imagenet", *(["--config", args.config] if args.config else []),
+             *(o for o in args.overrides if not o.startswith("resume=")), "resume=auto"]
+    return f"to continue: {shlex.join(words)}"
+
+
 if __name__ == "__main__":
+    hold_after_stop()   # a second stop signal while this process ends leaves its exit code
     sys.exit(main())
