@@ -5,7 +5,10 @@ A checkpoint is one ``torch.save`` dict (loadable with ``weights_only=True``):
 ``batch`` (the next batch to run: (e, 0) at an epoch boundary), ``update`` (optimizer updates
 so far), ``rng`` (one entry per rank), ``config`` and ``arch`` ({model, model_kwargs,
 num_classes}); ``position`` (what ``batch`` means: the train data's identity, the global
-batch and the world size, see `start.position_of`), ``totals`` (the epoch's running sums
+batch and the world size, see `start.position_of`; and, as ``data_order``, the settings the
+order of an epoch depends on: ``seed``, ``data.num_workers``, ``data.shuffle_buffer``,
+``aug.repeated_aug``, see `start.data_order_of`; a checkpoint saved before they were recorded
+lacks it and still loads), ``totals`` (the epoch's running sums
 for its log record, mid-epoch) and ``record`` (the train record of the epoch just finished,
 at an epoch boundary, logged once its evaluation is done). Files are
 ``ckpt-e{epoch}-u{update}.pth`` in the run directory, written to a temporary name, synced,
