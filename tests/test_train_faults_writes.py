@@ -1,7 +1,8 @@
 """Trainer faults of the files a run writes besides its checkpoints, and of the exit code it
 leaves: a directory in the place of a result file, a record or result whose write the file
-system refuses (then resume=auto writes it), a checkpoint larger than ``ulimit -f``, and
-DCVIT_EXIT_FILE that cannot be written (docs/training_fault_cases.md, round 4)."""
+system refuses (then resume=auto writes it, or for --eval-only the same command again), a
+checkpoint larger than ``ulimit -f``, and DCVIT_EXIT_FILE that cannot be written
+(docs/training_fault_cases.md, round 4)."""
 import errno
 import os
 
@@ -106,6 +107,29 @@ def test_refused_record_write_is_one_line_and_resume_writes_it(data, tmp_path, c
     with open(out / "summary.csv") as f:
         assert [ln.split(",")[0] for ln in f.read().splitlines()] == ["epoch", "0", "1"]
     assert (out / "eval.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def trained(data, tmp_path_factory):
+    """A finished one-epoch run: its last checkpoint, for --eval-only."""
+    out = tmp_path_factory.mktemp("trained") / "out"
+    assert main(_args(data, out, "epochs=1")) == 0
+    return list_checkpoints(str(out))[-1]
+
+
+def test_refused_eval_json_of_eval_only_says_to_evaluate_again(data, trained, tmp_path, capsys,
+                                                               monkeypatch):
+    """--eval-only whose eval.json cannot be written: exit 2 with one line whose fix is the
+    evaluation run again (there is no run to resume); run again, it writes eval.json."""
+    out = tmp_path / "out"
+    args = _args(data, out, "--eval-only", f"checkpoint={trained}")
+    with monkeypatch.context() as m:
+        _read_only_for_eval_json(m)
+        assert main(args) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert "Read-only file system): output_dir " in line and "the checkpoint is unchanged" in line
+    assert line.endswith("then run the same --eval-only command again") and "resume" not in line
+    assert main(args) == 0 and (out / "eval.json").is_file()
 
 
 def test_checkpoint_larger_than_ulimit_f_is_one_line(data, tmp_path):

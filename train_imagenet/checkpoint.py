@@ -46,6 +46,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "load_latest
            "content_digest", "load_error", "refused_writes", "write_refused"]
 
 _NAME = re.compile(r"ckpt-e(\d+)-u(\d+)\.pth$")
+RESUME = "resume=auto"          # what continues a run whose write was refused (`write_refused`)
 _logger = logging.getLogger(__name__)
 
 
@@ -136,14 +137,17 @@ def _cause(e: Optional[BaseException], errnos: Tuple[int, ...]) -> Optional[OSEr
     return None
 
 
-def write_refused(e: BaseException, path: str, run_dir: str, kept: str) -> Optional[CheckpointError]:
+def write_refused(e: BaseException, path: str, run_dir: str, kept: str,
+                  then: str = RESUME) -> Optional[CheckpointError]:
     """The CheckpointError for a write of `path` in the run directory `run_dir` that the file
     system refused, or None for any other error: no space (ENOSPC; EDQUOT: a quota), a file
     larger than the process may write (EFBIG: ``ulimit -f``), no access (EACCES, EPERM;
     EROFS: mounted read-only) or a directory in the file's place (EISDIR), each found also
-    where torch wraps it. `kept` says what is intact (the newest checkpoint is named after
-    it); the message ends with the fix, then resume=auto."""
-    kept = f"{kept} (the newest: {(list_checkpoints(run_dir) or ['none was saved yet'])[-1]})"
+    where torch wraps it. `kept` says what is intact; the message ends with the fix, then
+    `then`: what runs again (`RESUME`, resume=auto, after which the newest checkpoint, the
+    one it continues from, is named)."""
+    if then == RESUME:
+        kept = f"{kept} (the newest: {(list_checkpoints(run_dir) or ['none was saved yet'])[-1]})"
     found = _cause(e, (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
                        errno.EROFS, errno.EISDIR))
     if found is None:
@@ -152,31 +156,31 @@ def write_refused(e: BaseException, path: str, run_dir: str, kept: str) -> Optio
     if found.errno in (errno.ENOSPC, errno.EDQUOT):
         return CheckpointError(
             f"no space left on {_device_of(run_dir)} writing {path}; {kept}. Free space there (or "
-            f"set output_dir elsewhere and copy the run), then resume=auto")
+            f"set output_dir elsewhere and copy the run), then {then}")
     if found.errno == errno.EFBIG:
         limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
         return CheckpointError(
             f"cannot write {path}: it is larger than this process may write (ulimit -f: "
             f"{'unlimited' if limit == resource.RLIM_INFINITY else f'{limit} bytes'}, or the "
             f"file system's largest file); {kept}. Raise the limit (ulimit -f unlimited in the "
-            f"job script), then resume=auto")
+            f"job script), then {then}")
     if found.errno == errno.EISDIR:
         return CheckpointError(f"cannot write {path}: a directory is in its place; {kept}. Remove "
-                               f"or rename that directory, then resume=auto")
+                               f"or rename that directory, then {then}")
     return CheckpointError(
         f"cannot write {path} ({found.strerror}): output_dir {run_dir} is no longer writable; "
         f"{kept}. Make it writable again (or copy the run to a writable output_dir), then "
-        f"resume=auto")
+        f"{then}")
 
 
 @contextmanager
-def refused_writes(path: str, run_dir: str, kept: str) -> Iterator[None]:
+def refused_writes(path: str, run_dir: str, kept: str, then: str = RESUME) -> Iterator[None]:
     """``with refused_writes(path, run_dir, kept):`` a write of `path` that the file system
     refuses is raised as `write_refused`'s CheckpointError (exit 2, one line)."""
     try:
         yield
     except (OSError, RuntimeError) as e:
-        refused = write_refused(e, path, run_dir, kept)
+        refused = write_refused(e, path, run_dir, kept, then)
         if refused is None:
             raise
         raise refused from e

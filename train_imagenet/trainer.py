@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
-from .checkpoint import (CheckpointError, capture_rng, load_latest, load_model_weights,
+from .checkpoint import (RESUME, CheckpointError, capture_rng, load_latest, load_model_weights,
                          refused_writes, save_checkpoint)
 from .config import Config, config_to_dict, save_config
 from .data import DataPipe
@@ -33,6 +33,7 @@ __all__ = ["train", "evaluate_checkpoint", "write_config", "on_main", "Run"]
 
 Results = Tuple[Dict[str, float], Optional[Dict[str, float]]]   # metrics, the EMA's metrics
 RECORDS_KEPT = "the checkpoints are intact, and resume=auto writes the records that are missing"
+EVAL_KEPT, EVAL_AGAIN = "the checkpoint is unchanged", "run the same --eval-only command again"
 
 
 def write_config(cfg: Config, info: DistInfo) -> None:
@@ -84,17 +85,20 @@ def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPi
     return 0
 
 
-def on_main(info: DistInfo, what: str, write: Callable[[], Any], records_in: str = "") -> Any:
+def on_main(info: DistInfo, what: str, write: Callable[[], Any], records_in: str = "",
+            eval_only: bool = False) -> Any:
     """`write()` on rank 0 (`what` it writes), its result broadcast; a write refused there (a
     CheckpointError: a full disk, an unwritable output_dir) is raised on every rank. With
-    `records_in` (the run directory) `write` writes the run's records (log.jsonl, summary.csv,
-    eval*.json), and a refused write of one is such an error too (`refused_writes`), whose
-    record the resumed run writes."""
+    `records_in` (the run directory) `write` writes the run's records (log.jsonl,
+    summary.csv, eval*.json), and a refused write of one is such an error too
+    (`refused_writes`), whose record the resumed run writes; `eval_only`: the records of
+    ``--eval-only``, which the same command run again writes."""
     result: Any = None
     if info.is_main:
         try:
             if records_in:
-                with refused_writes(records_in, records_in, RECORDS_KEPT):
+                kept, then = (EVAL_KEPT, EVAL_AGAIN) if eval_only else (RECORDS_KEPT, RESUME)
+                with refused_writes(records_in, records_in, kept, then):
                     result = write()
             else:
                 result = write()
@@ -259,5 +263,5 @@ def evaluate_checkpoint(cfg: Config, model: torch.nn.Module, val: DataPipe, info
         ema_metrics = evaluate(model, val, cfg.data.num_classes, info.device, cfg.amp)
         log_main(info, f"EMA: top1 {ema_metrics['top1']:.2f} top5 {ema_metrics['top5']:.2f}")
     on_main(info, "results", lambda: write_results(cfg, info, metrics, ema_metrics, path),
-            cfg.output_dir)
+            cfg.output_dir, eval_only=True)
     return 0
