@@ -1,8 +1,8 @@
 """Trainer faults of the files a run writes besides its checkpoints, and of the exit code it
 leaves: a directory in the place of a result file, a record or result whose write the file
-system refuses (then resume=auto writes it, or for --eval-only the same command again), a
-checkpoint larger than ``ulimit -f``, and DCVIT_EXIT_FILE that cannot be written
-(docs/training_fault_cases.md, round 4)."""
+system refuses (then resume=auto writes it, or for --eval-only the same command again), its
+config.yaml refused at start, a checkpoint larger than ``ulimit -f``, and DCVIT_EXIT_FILE that
+cannot be written (docs/training_fault_cases.md, round 4)."""
 import errno
 import os
 
@@ -115,6 +115,44 @@ def trained(data, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained") / "out"
     assert main(_args(data, out, "epochs=1")) == 0
     return list_checkpoints(str(out))[-1]
+
+
+def _refuse_config(name, err):
+    def fault(monkeypatch):
+        """The file system refuses the write of `name` (config.yaml or eval_config.yaml),
+        which happens once every check has passed."""
+        real = trainer_mod.save_config
+
+        def save_config(cfg, path):
+            if os.path.basename(path) == name:
+                raise OSError(err, os.strerror(err), path)       # as atomic_write names it
+            return real(cfg, path)
+        monkeypatch.setattr(trainer_mod, "save_config", save_config)
+    return fault
+
+
+@pytest.mark.parametrize("name, err, said", [
+    ("config.yaml", errno.ENOSPC, "error: no space left on "),
+    ("eval_config.yaml", errno.EROFS, "Read-only file system): output_dir "),
+])
+def test_refused_config_write_at_start_is_one_line(data, trained, tmp_path, capsys, monkeypatch,
+                                                   name, err, said):
+    """config.yaml (eval_config.yaml for --eval-only) that cannot be written is exit 2 with
+    one line naming it, not a traceback on rank 0; the fix that follows is the mode's:
+    resume=auto for a training run, the same command again for --eval-only."""
+    out = tmp_path / "out"
+    eval_only = name == "eval_config.yaml"
+    extra = ["--eval-only", f"checkpoint={trained}"] if eval_only else []
+    with monkeypatch.context() as m:
+        _refuse_config(name, err)(m)
+        assert main(_args(data, out, *extra)) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert said in line and str(out / name) in line
+    if eval_only:
+        assert line.endswith("then run the same --eval-only command again") and "resume" not in line
+    else:
+        assert line.endswith("then resume=auto") and "the newest: none was saved yet" in line
+    assert not list_checkpoints(str(out)) and not (out / name).exists()
 
 
 def test_refused_eval_json_of_eval_only_says_to_evaluate_again(data, trained, tmp_path, capsys,

@@ -38,10 +38,10 @@ EVAL_KEPT, EVAL_AGAIN = "the checkpoint is unchanged", "run the same --eval-only
 
 def write_config(cfg: Config, info: DistInfo) -> None:
     """The resolved config, written once every check has passed (a refused command leaves
-    the run directory's config as it was)."""
-    if info.is_main:
-        save_config(cfg, os.path.join(cfg.output_dir, "eval_config.yaml" if cfg.eval_only
-                                      else "config.yaml"))
+    the run directory's config as it was); a write the file system refuses is exit 2."""
+    path = os.path.join(cfg.output_dir, "eval_config.yaml" if cfg.eval_only else "config.yaml")
+    on_main(info, f"write of {os.path.basename(path)}", lambda: save_config(cfg, path),
+            cfg.output_dir, eval_only=cfg.eval_only)
 
 
 def train(cfg: Config, model: torch.nn.Module, train_data: DataPipe, val: DataPipe,
@@ -89,8 +89,8 @@ def on_main(info: DistInfo, what: str, write: Callable[[], Any], records_in: str
             eval_only: bool = False) -> Any:
     """`write()` on rank 0 (`what` it writes), its result broadcast; a write refused there (a
     CheckpointError: a full disk, an unwritable output_dir) is raised on every rank. With
-    `records_in` (the run directory) `write` writes the run's records (log.jsonl,
-    summary.csv, eval*.json), and a refused write of one is such an error too
+    `records_in` (the run directory) `write` writes the run's records (config.yaml,
+    log.jsonl, summary.csv, eval*.json), and a refused write of one is such an error too
     (`refused_writes`), whose record the resumed run writes; `eval_only`: the records of
     ``--eval-only``, which the same command run again writes."""
     result: Any = None
