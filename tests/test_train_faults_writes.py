@@ -200,3 +200,20 @@ def test_exit_file_that_cannot_be_written_keeps_the_exit_code(tmp_path, capsys, 
     warning = [ln for ln in err.splitlines() if "DCVIT_EXIT_FILE" in ln]
     assert len(warning) == 1 and str(code / "code") in warning[0] and "exit code 2" in warning[0]
     assert "Traceback" not in err
+
+
+def test_ctrl_c_before_training_writes_130_to_the_exit_file(tmp_path, monkeypatch):
+    """Ctrl-C during the start-up checks (nothing to save yet) is Python's KeyboardInterrupt,
+    and DCVIT_EXIT_FILE says 130, as for a Ctrl-C while training: slurm_train.sh does not
+    requeue it as a failure (1)."""
+    import train_imagenet.__main__ as entry
+    monkeypatch.delenv("RANK", raising=False)
+    code = tmp_path / "code"
+    monkeypatch.setenv("DCVIT_EXIT_FILE", str(code))
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(entry, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main([f"output_dir={tmp_path / 'out'}"])
+    assert code.read_text() == "130\n"

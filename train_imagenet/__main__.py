@@ -25,7 +25,8 @@ from .data import DataError, build_data, count_samples, is_remote, resolve_sourc
 from .distributed import (DistInfo, broadcast_object, init_distributed, log_main,
                           lost_peer_message, shutdown, timeout_message, waiting_for)
 from .engine import NonFiniteLoss
-from .preemption import Preempted, StopOnSignal, exit_code, hold_after_stop, received
+from .preemption import (EXIT_INTERRUPTED, Preempted, StopOnSignal, exit_code, hold_after_stop,
+                         received)
 from .finetune import conversion_to_apply
 from .model import build_model, input_norm
 from .recipe import check_recipe
@@ -125,14 +126,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[List[str]] = None) -> int:
     """`run` with its exit code (see `_main`); rank 0 also writes the code to the file that the
     environment variable DCVIT_EXIT_FILE names, if set (scripts/slurm_train.sh reads it to
-    decide whether to requeue the job: an uncaught exception is written as 1). A file that
-    cannot be written is a warning: the process keeps its exit code."""
+    decide whether to requeue the job: an uncaught exception is written as 1, a Ctrl-C before
+    training, where nothing is saved, as 130 like one while training). A file that cannot be
+    written is a warning: the process keeps its exit code."""
     code: Any = 1
     try:
         code = _main(argv)
         return code
     except SystemExit as e:
         code = e.code
+        raise
+    except KeyboardInterrupt:
+        code = EXIT_INTERRUPTED     # Python's traceback; the process ends by SIGINT (shell: 130)
         raise
     finally:
         path = os.environ.get("DCVIT_EXIT_FILE")
