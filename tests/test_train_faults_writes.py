@@ -202,7 +202,7 @@ def test_exit_file_that_cannot_be_written_keeps_the_exit_code(tmp_path, capsys, 
     assert "Traceback" not in err
 
 
-def test_ctrl_c_before_training_writes_130_to_the_exit_file(tmp_path, monkeypatch):
+def test_ctrl_c_before_training_is_recorded_as_130(tmp_path, monkeypatch):
     """Ctrl-C during the start-up checks (nothing to save yet) is Python's KeyboardInterrupt,
     and DCVIT_EXIT_FILE says 130, as for a Ctrl-C while training: slurm_train.sh does not
     requeue it as a failure (1)."""
