@@ -217,3 +217,13 @@ def test_ctrl_c_before_training_is_recorded_as_130(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         main([f"output_dir={tmp_path / 'out'}"])
     assert code.read_text() == "130\n"
+
+
+def test_summary_csv_cut_in_its_header_gets_a_header_again(tmp_path):
+    """A run killed while writing summary.csv's header leaves a line cut short there; once it
+    is removed the file is empty, and the next record starts with the header again."""
+    (tmp_path / "summary.csv").write_text("epoch,train_lo")
+    logs_mod.RunLog(str(tmp_path)).epoch({"epoch": 0, "train_loss": 2.5})
+    with open(tmp_path / "summary.csv") as f:
+        assert [ln.split(",")[:2] for ln in f.read().splitlines()] == [["epoch", "train_loss"],
+                                                                        ["0", "2.5"]]

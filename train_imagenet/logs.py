@@ -2,9 +2,10 @@
 optional TensorBoard scalars. Result files (`eval.json`) are written with `dcvit.io.write_json`.
 
 A line cut short at the end of either file (a kill or a full disk mid-append) is removed
-before a run appends its first record, so that record starts a line of its own; the checkpoint of its epoch
-holds the record, which the resumed run writes again (`start.start_training`). A write that
-fails raises its OSError naming the file (the trainer reports it: `checkpoint.refused_writes`)."""
+before a run appends its first record, so that record starts a line of its own (and
+summary.csv, left empty, gets its header again); the checkpoint of its epoch holds the
+record, which the resumed run writes again (`start.start_training`). A write that fails
+raises its OSError naming the file (the trainer reports it: `checkpoint.refused_writes`)."""
 import csv
 import json
 import logging
@@ -62,7 +63,7 @@ class RunLog:
             self.checked = True
         with _naming(log), open(log, "a") as f:
             f.write(json.dumps(record) + "\n")
-        new = not os.path.exists(summary)
+        new = not os.path.exists(summary) or os.path.getsize(summary) == 0  # (a cut header removed)
         with _naming(summary), open(summary, "a", newline="") as f:
             w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
             if new:
