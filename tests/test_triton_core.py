@@ -197,13 +197,36 @@ def test_head_dim_loaded_in_halves():
 
 @pytest.mark.parametrize("fwd", range(len(triton_core.block_sizes(9, "forward_kernel"))))
 def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
-    """9 heads (16 padded), head dim 40, with each forward block candidate: the key kernel
-    splits its heads between programs (`block_sizes`' G), the query kernel owns 8 queries."""
+    """9 heads (16 padded), head dim 40, a mask, with each forward block candidate: with a
+    mask the key kernel splits its heads between programs (`block_sizes`' G) and the query
+    kernel owns 8 queries, the score-gradient map giving dq and dk."""
     sizes = triton_core.block_sizes
-    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: (
-        sizes(H, kernel, arch)[fwd:] + sizes(H, kernel, arch)[:fwd] if kernel == "forward_kernel" else sizes(H, kernel, arch)))
-    assert triton_core.block_sizes(9, "backward_key_kernel")[0]["G"] == 2
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90, mask=False: (
+        sizes(H, kernel, arch, mask)[fwd:] + sizes(H, kernel, arch, mask)[:fwd] if kernel == "forward_kernel"
+        else sizes(H, kernel, arch, mask)))
+    assert triton_core.block_sizes(9, "backward_key_kernel", mask=True)[0]["G"] == 2
+    assert triton_core.block_sizes(9, "backward_query_kernel", mask=True)[0]["BT"] == 8
     _assert_matches(*_case(1, 9, 19, 17, 40, seed=17), scale=40 ** -0.5)
+
+
+@pytest.mark.parametrize("H,candidate", [(6, 0), (6, 1), (9, 0), (9, 1)])
+def test_unmasked_block_candidates_and_the_score_gradient_map(monkeypatch, H, candidate):
+    """Without a mask each kernel has larger blocks first (`block_sizes`): 32 queries in the
+    forward and 16 keys in the key kernel at 8 padded heads; at 16 padded heads 16 queries in
+    the query kernel and all heads in one key-kernel program, where dq and dk come from the
+    score-gradient map (`score_grad_map`) instead of the kernels. Each candidate (the second
+    where a kernel has one), strided q/k/v as the qkv projection gives them, every stage,
+    against the float64 formula: the same output and gradients."""
+    sizes = triton_core.block_sizes
+    assert triton_core.score_grad_map(H) == (H > 8)
+    firsts = {k: sizes(H, k)[0] for k in ("forward_kernel", "backward_query_kernel", "backward_key_kernel")}
+    assert (firsts["forward_kernel"]["BT"], firsts["backward_key_kernel"]["BS"]) == ((32, 16) if H <= 8 else (16, 8))
+    if H > 8:
+        assert firsts["backward_key_kernel"]["G"] == 1 and firsts["backward_query_kernel"]["BT"] == 16
+        assert sizes(H, "backward_key_kernel", mask=True)[0]["G"] == 2   # a mask keeps the smaller ones
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90, mask=False: [
+        sizes(H, kernel, arch, mask)[min(candidate, len(sizes(H, kernel, arch, mask)) - 1)]])
+    _assert_matches(*_case(2, H, 37, 37, 32, mask=None, seed=31, strided=True), scale=32 ** -0.5)
 
 
 def test_head_groups_in_every_kernel(monkeypatch):
@@ -213,8 +236,8 @@ def test_head_groups_in_every_kernel(monkeypatch):
     inputs, mask, mats = _case(1, 9, 13, 11, 16, seed=18)
     want = _grads(_kernel, inputs, mask, mats, 0.35)
     sizes = triton_core.block_sizes
-    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: [
-        {**c, "G": 2} for c in sizes(H, kernel, arch)])
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90, mask=False: [
+        {**c, "G": 2} for c in sizes(H, kernel, arch, mask)])
     got = _grads(_kernel, inputs, mask, mats, 0.35)
     for a, b in zip([got[0], *got[1]], [want[0], *want[1]]):   # the split products round differently
         torch.testing.assert_close(a, b, atol=_scaled(1e-6, b), rtol=1e-5)
@@ -238,8 +261,8 @@ def test_products_padded_to_what_older_triton_takes(monkeypatch, mins, candidate
         assert [[(c["BT"], c["BS"]) for c in sizes(H, k)] for k in (
             "forward_kernel", "backward_query_kernel", "backward_key_kernel")] == [
             [(16, 16)], [(16, 16), (8, 16)], [(16, 16), (16, 8)]]
-    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90: [
-        sizes(H, kernel, arch)[min(candidate, len(sizes(H, kernel, arch)) - 1)]])
+    monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90, mask=False: [
+        sizes(H, kernel, arch, mask)[min(candidate, len(sizes(H, kernel, arch, mask)) - 1)]])
     inputs, mask, mats = _case(1, H, 19, 21, 16, mask="full" if dtype == torch.float32 else "float", seed=23)
     if dtype == torch.float32:                          # a mask per head: a load of its own
         _assert_matches(inputs, mask, mats, scale=16 ** -0.5)

@@ -36,23 +36,27 @@ dMᵀ: (rows, heads, group)) and the scores come out as ``(a @ b)ᵀ`` with the 
 the operand of q·kᵀ and dO·vᵀ that a loop loads is loaded and multiplied in two halves of
 the head dim (`_dot_by_halves`), so half of it is live at a time, and so is the operand of
 each backward product into an accumulator over the head dim (dqᵀ, dkᵀ, dvᵀ, each held as
-its two halves: `_acc_by_halves`; the forward's Oᵀ spills less whole); and the key kernel
-splits its heads between two programs (``G = 2``): each recomputes the scores and the
-full-width Compose steps, post-composes and back-composes only its heads' output columns,
-and takes its heads' columns of the other tiles with `tl.gather` (`_group`).
+its two halves: `_acc_by_halves`; the forward's Oᵀ spills less whole); and dq and dk are
+left to two products outside (``DS_MAP``, below), or else the key kernel splits its heads
+between two programs (``G = 2``): each recomputes the scores and the full-width Compose
+steps, post-composes and back-composes only its heads' output columns, and takes its
+heads' columns of the other tiles from a split of the tile (`_group`).
 
 Post-compose mixes *normalised* weights of different heads, so the forward makes two
 passes over the keys: the first finds each head's row statistics (``lse``, saved for
-backward), the second recomputes the scores and accumulates the output. No (B, H, T, S)
-map is ever written to memory.
+backward), the second recomputes the scores and accumulates the output. The forward
+writes no (B, H, T, S) map to memory.
 
 Backward recomputes everything from q, k, v, the matrices and ``lse`` in two kernels:
 
 * `backward_query_kernel`, one program per block of queries: pass 1 over the keys gives
   ``delta[h,t] = Σ_s p·dp`` (the softmax backward's row term; with post-compose it is not
-  ``Σ o·do``) and the query-side matrices' gradient dMq2; pass 2 gives dq and dMq1.
+  ``Σ o·do``) and the query-side matrices' gradient dMq2; pass 2 gives dq and dMq1, or with
+  ``DS_MAP`` writes the scores' gradient ds (B, H, T, S) in the operands' dtype where it
+  would multiply it by k (`triton_core.score_grad_map`: dq and dk are then two batched
+  products on it, and neither kernel holds their accumulators).
 * `backward_key_kernel`, one program per block of keys (and head group), looping over
-  query blocks: dk, dv and the key-side matrices' gradients dMk1, dMk2, which are sums over
+  query blocks: dk (not with ``DS_MAP``), dv and the key-side matrices' gradients dMk1, dMk2, which are sums over
   *all* queries. A program owns its keys' (and heads') share of those sums, so they are
   written once, in a fixed order:
   deterministic, no atomics, no per-query-block partial buffers. Its tiles are
@@ -176,37 +180,50 @@ def _t(x):
 
 
 @triton.jit
-def _mix(a, M, rows, n_stride, TR: tl.constexpr, rows_ok, h0, HO: tl.constexpr, H: tl.constexpr,
-         HP: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
-    """``out[x, y, h] = Σ_g a[x, y, g] · M[rows[x], g, h0 + h]``: a (X, Y, HP) float32 tile
-    times the H×H matrices of the tokens on its axis 0 (rows: their indices, (X, 1, 1)), one
-    batched product, for the HO output heads from h0: an (X, Y, HO) tile. Each token's
-    matrix is contiguous (row stride H: constant offsets, vector loads); TR applies the
-    transposed matrices."""
+def _matrices(M, rows, n_stride, rows_ok, H: tl.constexpr, HP: tl.constexpr):
+    """The H×H matrices of the tokens on a tile's axis (rows: their indices, (X, 1, 1)) as an
+    (X, HP, HP) float32 tile ``m[x, g, h]``, zero-padded. Each token's matrix is contiguous
+    (row stride H: constant offsets, vector loads). Loaded once per block: a stage and its
+    backward take the same tile, the latter transposed in registers (`_mix`)."""
     g = tl.arange(0, HP)[None, :, None]
-    h = h0 + tl.arange(0, HO)[None, None, :]
-    if TR:
-        offsets = h * H + g
-    else:
-        offsets = g * H + h
-    m = tl.load(M + rows * n_stride + offsets, mask=rows_ok & (g < H) & (h < H), other=0.0)
-    return _mm(a, m, tl.zeros((a.shape[0], a.shape[1], HO), tl.float32), MIX, DOT_MN, DOT_K)
+    h = tl.arange(0, HP)[None, None, :]
+    return tl.load(M + rows * n_stride + g * H + h, mask=rows_ok & (g < H) & (h < H), other=0.0)
 
 
 @triton.jit
-def _compose(a, M0, r0, n0, ok0, HAS0: tl.constexpr, M1, r1, n1, ok1, HAS1: tl.constexpr,
-             TR: tl.constexpr, o0, HO: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+def _matrices_if(HAS: tl.constexpr, M, rows, n_stride, rows_ok, H: tl.constexpr, HP: tl.constexpr):
+    """`_matrices` where the stage or side is present (HAS), else nothing to load (0)."""
+    if HAS:
+        out = _matrices(M, rows, n_stride, rows_ok, H, HP)
+    else:
+        out = 0
+    return out
+
+
+@triton.jit
+def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr,
+         DOT_K: tl.constexpr):
+    """``out[x, y, h] = Σ_g a[x, y, g] · m[x, g, h0 + h]``: an (X, Y, HP) float32 tile times the
+    matrices of the tokens on its axis 0 (`_matrices`), one batched product, for the HO
+    output heads from h0: an (X, Y, HO) tile. TR applies the transposed matrices."""
+    if TR:
+        m = tl.permute(m, (0, 2, 1))
+    return _mm(a, _group(m, h0, HO), tl.zeros((a.shape[0], a.shape[1], HO), tl.float32), MIX, DOT_MN, DOT_K)
+
+
+@triton.jit
+def _compose(a, m0, HAS0: tl.constexpr, m1, HAS1: tl.constexpr, TR: tl.constexpr, o0, HO: tl.constexpr,
              MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
-    """``out[x, y, h] = Σ_g a[x, y, g] · (M0[r0[x], g, o0 + h] + M1[r1[y], g, o0 + h])`` for
-    an (X, Y, HP) tile and the HO output heads from o0: M0 indexed by the tokens of axis 0,
-    M1 by those of axis 1 (r0: (X, 1, 1), r1: (Y, 1, 1); either may be absent); TR: with the
-    matrices transposed (a stage's backward)."""
+    """``out[x, y, h] = Σ_g a[x, y, g] · (m0[x, g, o0 + h] + m1[y, g, o0 + h])`` for an (X, Y, HP)
+    tile and the HO output heads from o0: m0 the matrices of the tokens of axis 0, m1 those
+    of axis 1 (`_matrices`; either may be absent); TR: with the matrices transposed (a
+    stage's backward)."""
     out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
-        out += _mix(a, M0, r0, n0, TR, ok0, o0, HO, H, HP, MIX, DOT_MN, DOT_K)
+        out += _mix(a, m0, TR, o0, HO, MIX, DOT_MN, DOT_K)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
-        out += tl.permute(_mix(at, M1, r1, n1, TR, ok1, o0, HO, H, HP, MIX, DOT_MN, DOT_K), (1, 0, 2))
+        out += tl.permute(_mix(at, m1, TR, o0, HO, MIX, DOT_MN, DOT_K), (1, 0, 2))
     return out
 
 
@@ -310,8 +327,7 @@ def _store_t_halves(P, off, sd, ok, acc0, acc1, D: tl.constexpr, DP: tl.constexp
 
 @triton.jit
 def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
-            MQ1, a1b, a1n, MK1, b1b, b1n,
-            H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
+            mq1, mk1, H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
             HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """The logits after pre-compose and the mask, -inf at padded keys, from the scaled
     scores s0 laid out (rows, cols, heads). t, s: query and key indices, (X, 1, 1) for
@@ -326,13 +342,11 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
     if Q_SIDE:
         tq, sk = t, tl.permute(s, (1, 0, 2))                         # (X, 1, 1), (1, Y, 1)
         if HAS_PRE:
-            x = _compose(s0, MQ1 + b * a1b, t, a1n, t < T, True,
-                         MK1 + b * b1b, s, b1n, s < S, HAS_MK1, False, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            x = _compose(s0, mq1, True, mk1, HAS_MK1, False, 0, HP, MIX, DOT_MN, DOT_K)
     else:
         tq, sk = tl.permute(t, (1, 0, 2)), s
         if HAS_PRE:
-            x = _compose(s0, MK1 + b * b1b, s, b1n, s < S, HAS_MK1,
-                         MQ1 + b * a1b, t, a1n, t < T, True, False, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            x = _compose(s0, mk1, HAS_MK1, mq1, True, False, 0, HP, MIX, DOT_MN, DOT_K)
     if HAS_MASK:
         if not MASK_HEADS:
             m = tl.load(MASK + b * smb + tq * smt + sk * sms, mask=(tq < T) & (sk < S), other=0.0)
@@ -378,16 +392,18 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     qt0, qt1 = _load_t_halves(Q + b * sqb, hh * sqh + tc * sqt, sqd, hm & (tc < T), D, DP)
     t = t_idx[:, None, None]                                                # (tokens, ., heads) tiles
     h2 = tl.arange(0, HP)[None, :]
+    mq1 = _matrices_if(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
+    mq2 = _matrices_if(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
 
     m_i = tl.full((BT, HP), -1e30, tl.float32)
     l_i = tl.zeros((BT, HP), tl.float32)
     for start in range(0, S, BS):                                           # pass 1: row statistics
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
+        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
+                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
         l_i = l_i * _exp(m_i, m_new, FAST_EXP) + tl.sum(_exp(x, m_new[:, None, :], FAST_EXP), axis=1)
         m_i = m_new
@@ -401,14 +417,14 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     for start in range(0, S, BS):                                           # pass 2: output
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
+        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+        mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = _exp(x, lse[:, None, :], FAST_EXP)
         if HAS_POST:
-            p = _compose(p, MQ2 + b * a2b, t, a2n, t < T, True,
-                         MK2 + b * b2b, s, b2n, s < S, HAS_MK2, False, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K)
         else:
             p = _group(p, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -419,9 +435,9 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
 
 
 @triton.jit
-def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK1, MQ2, MK2,
+def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2,
                           sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
-                          sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, smb, smh, smt, sms,
+                          sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh, srt, srs, smb, smh, smt, sms,
                           a1b, a1n, b1b, b1n,
                           a2b, a2n, b2b, b2n,
                           T, S, scale,
@@ -429,7 +445,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
                           BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                           MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                           HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
-                          PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                          DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                           FAST_EXP: tl.constexpr):
     """One block of BT queries and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
     and dq (B, H, T, D) of those heads, and the per-query matrix gradients dMq1[t, h, :],
@@ -449,6 +465,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
     t2 = t_idx[:, None]
     h2 = tl.arange(0, HP)[None, :]
     stat = (b * H + h2) * T + t2                                            # (BT, HP)
+    mq1 = _matrices_if(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
+    mq2 = _matrices_if(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
     lse = tl.load(LSE + stat, mask=(h2 < H) & (t2 < T), other=0.0)
 
     delta = tl.zeros((BT, HP), tl.float32)
@@ -456,19 +474,19 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
     for start in range(0, S, BS):                                           # pass 1: delta, dMq2
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
+        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+        mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         p = _exp(x, lse[:, None, :], FAST_EXP)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
                                PRECISION, DOT_MN))                           # dL/dp2 (BT, BS, HP)
         if HAS_POST:
             if WANT_DMQ2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, MQ2 + b * a2b, t, a2n, t < T, True,
-                          MK2 + b * b2b, s, b2n, s < S, HAS_MK2, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
         delta += tl.sum(p * dp, axis=1)
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
     if WANT_DMQ2:                                                           # stored now: not live in pass 2
@@ -483,28 +501,32 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, MASK, MQ1, MK
     for start in range(0, S, BS):                                           # pass 2: dq, dMq1
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
+        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+        mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
         dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
                                PRECISION, DOT_MN))
         if HAS_POST:
-            dp = _compose(dp, MQ2 + b * a2b, t, a2n, t < T, True,
-                          MK2 + b * b2b, s, b2n, s < S, HAS_MK2, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
         ds = _exp(x, lse[:, None, :], FAST_EXP) * (dp - delta[:, None, :])        # dL/ds1
         if HAS_PRE:
             if WANT_DMQ1:
                 dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-            ds = _compose(ds, MQ1 + b * a1b, t, a1n, t < T, True,
-                          MK1 + b * b1b, s, b1n, s < S, HAS_MK1, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+            ds = _compose(ds, mq1, True, mk1, HAS_MK1, True, h0, HG, MIX, DOT_MN, DOT_K)
         else:
             ds = _group(ds, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
-        dqt0, dqt1 = _acc_by_halves(dqt0, dqt1, K + b * skb, hg * skh + sc * sks, skd, gm & (sc < S),
-                                    _t(ds).to(K.dtype.element_ty), D, DP, PRECISION, DOT_MN)
-    _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
+        ds = _t(ds).to(K.dtype.element_ty)                                  # (heads, keys, queries)
+        if DS_MAP:                                                          # dq, dk: products outside
+            tl.store(DS + b * srb + hg * srh + sr * srs + tc * srt, ds, mask=gm & (sr < S) & (tc < T))
+        else:
+            dqt0, dqt1 = _acc_by_halves(dqt0, dqt1, K + b * skb, hg * skh + sc * sks, skd, gm & (sc < S),
+                                        ds, D, DP, PRECISION, DOT_MN)
+    if not DS_MAP:
+        _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:
         _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)), b, t_idx, T, h0, 0, H)
 
@@ -520,7 +542,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                         BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                         MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                         HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr,
-                        PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                        DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                         FAST_EXP: tl.constexpr):
     """One block of BS keys and one group of HP/G heads h (program_id 2), over every query
     block: dk, dv (B, H, S, D) (the same strides) of those heads and the key-side matrix
@@ -536,6 +558,8 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     hm = hh < H
     s = s_idx[:, None, None]
     h3 = tl.arange(0, HP)[None, None, :]
+    mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+    mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
     sc = s_idx[None, None, :]
@@ -551,17 +575,17 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     for start in range(0, T, BT):
         tr = start + tl.arange(0, BT)[None, :, None]
         t = start + tl.arange(0, BT)[:, None, None]
+        mq1 = _matrices_if(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
+        mq2 = _matrices_if(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
         s0 = _t(_dot_by_halves(Q + b * sqb, hh * sqh + tr * sqt, sqd, hm & (tr < T), kt0, kt1, D, DP,
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
-                    MQ1, a1b, a1n, MK1, b1b, b1n,
-                    H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
+                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
         stat = (b * H + h3) * T + tr
         p = tl.where(tr < T, _exp(x, tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0), FAST_EXP), 0.0)
         tc = start + tl.arange(0, BT)[None, None, :]
         if HAS_POST:                                                        # dv first: p2 dies here
-            p2 = _compose(p, MK2 + b * b2b, s, b2n, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, t < T, True, False, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
+            p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K)
         else:
             p2 = _group(p, h0, HG)
         dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO + b * sgb, hg * sgh + tc * sgt, sgd, gm & (tc < T),
@@ -571,21 +595,21 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         if HAS_POST:
             if WANT_DMK2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, MK2 + b * b2b, s, b2n, s < S, HAS_MK2,
-                          MQ2 + b * a2b, t, a2n, t < T, True, True, 0, HP, H, HP, MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, mk2, HAS_MK2, mq2, True, True, 0, HP, MIX, DOT_MN, DOT_K)
         ds = p * (dp - tl.load(DELTA + stat, mask=(h3 < H) & (tr < T), other=0.0))
         if HAS_PRE:
             if WANT_DMK1:
                 dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-        if HAS_PRE:
-            ds = _compose(ds, MK1 + b * b1b, s, b1n, s < S, HAS_MK1,
-                          MQ1 + b * a1b, t, a1n, t < T, True, True, h0, HG, H, HP, MIX, DOT_MN, DOT_K)
-        else:
-            ds = _group(ds, h0, HG)
-        dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q + b * sqb, hg * sqh + tc * sqt, sqd, gm & (tc < T),
-                                    _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION, DOT_MN)
+        if not DS_MAP:
+            if HAS_PRE:
+                ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K)
+            else:
+                ds = _group(ds, h0, HG)
+            dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q + b * sqb, hg * sqh + tc * sqt, sqd, gm & (tc < T),
+                                        _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION, DOT_MN)
     out = b * sdb + hg * sdh + sc * sds
-    _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
+    if not DS_MAP:
+        _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
     _store_t_halves(DV, out, sdd, gm & (sc < S), dvt0, dvt1, D, DP)
     if WANT_DMK1:
         _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)), b, s_idx, S, h0, 0, H)

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for",
+__all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for", "score_grad_map",
            "attention_forward", "attention_backward", "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
@@ -182,49 +182,73 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90) -> List[Dict[str, int]]:
+def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bool = False) -> List[Dict[str, int]]:
     """Candidate blocks (BT queries, BS keys), head groups G, warps and pipeline stages of
-    ``kernel`` for H heads on sm_<arch>. The first is the one the interpreter runs; on a GPU
-    Triton's autotuner times the candidates once per (heads, head dim, sequence lengths) and
-    keeps the fastest (each one more compilation). Each candidate compiles without a register
-    spill for sm_80 and sm_90 with bf16/fp16 operands at head dim 64, up to 16 heads, under
-    every Triton from 3.5 to 3.9 (``dcvit.bench.kernels``, tests/test_kernel_resources.py,
-    tests/test_triton_releases.py; float32 operands spill some at 12-16 heads, and under 3.4
-    the backward kernels' 16-row candidates do, their 8-row ones at 12-16 heads,
-    docs/performance.md): one pipeline stage (a
-    second would double the tiles in shared memory), 8 warps, 8 keys per key-kernel program;
-    with 16 padded heads 8 queries per query-kernel program, 16 or 8 per forward program, and
-    the key kernel's heads split between G = 2 programs per key block (each recomputes the
-    scores and Compose of all heads for the accumulators of half). Where `tl.dot` takes no
-    8-row side (3.4, `dot_min`) the forward keeps 16 queries only and each backward kernel
-    gets two candidates, both with 16 padded heads split between two programs: 16-row
-    blocks, and 8-row ones whose products pad their 8 columns inside
-    (`triton_attention._mm`). At 3 and 6 heads the 8-row ones spill nothing where the
-    16-row ones spill 12-204 B, yet they issue about 1.6 times the instructions (padding
-    goes through shared memory there): the autotuner times both. Every candidate but the
-    forward's at 16 padded heads states a thread's register bound, ``maxnreg`` =
-    `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light variants (one stage
-    or one side; at 16 padded heads the query kernel without pre-compose, the key kernel
-    without any Compose) in 128 registers, for two blocks per SM, and spills a few bytes to
-    do so. The forward at 16 padded heads, which uses all 255 registers anyway, leaves it
-    out (None): stating it there made ptxas allocate differently and spill in two masked
-    variants."""
+    ``kernel`` for H heads on sm_<arch>, with or without a ``mask``. The first is the one the
+    interpreter runs; on a GPU Triton's autotuner times the candidates once per (heads, head
+    dim, sequence lengths, mask or not) and keeps the fastest (each one more compilation).
+    Each candidate compiles without a register spill for sm_80 and sm_90 with bf16/fp16
+    operands at head dim 64, up to 16 heads, under every Triton from 3.5 to 3.9
+    (``dcvit.bench.kernels``, tests/test_kernel_resources.py, tests/test_triton_releases.py;
+    float32 operands spill some at 12-16 heads, and under 3.4 the backward kernels do at
+    12-16 heads, docs/performance.md). Always 8 warps and one pipeline stage (a second would
+    double the tiles in shared memory).
+
+    Without a mask, as DCViT trains, larger blocks come first, for fewer instructions per
+    score: 32 queries by 16 keys in the forward at 8 padded heads; where Compose's mixing is
+    not padded in its contraction (3.8 on) 16 keys in the key kernel at 8 padded heads, and
+    at 16 padded heads, with the score-gradient map (`score_grad_map`: no dq, dk
+    accumulators), 16 queries in the query kernel and all heads in one key-kernel program.
+    Otherwise, and with a mask (its tile takes registers too): 16 queries by 16 keys (8 keys
+    in the key kernel); at 16 padded heads 8 queries in the query kernel, 16 or 8 in the
+    forward, and the key kernel's heads split between G = 2 programs per key block where
+    they do not all fit (each recomputes the scores and Compose of all heads for the
+    accumulators of half). Where `tl.dot` takes no 8-row side (3.4, `dot_min`) the forward
+    keeps 16 queries only and each backward kernel gets two candidates, both with 16 padded
+    heads split between two programs: 16-row blocks, and 8-row ones whose products pad their
+    8 columns inside (`triton_attention._mm`): at 3 and 6 heads the 8-row ones spill nothing
+    where the 16-row ones spill 12-204 B, yet they issue about 1.6 times the instructions.
+    Every candidate but the forward's at 16 padded heads states a thread's register bound,
+    ``maxnreg`` = `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light
+    variants in 128 registers, for two blocks per SM, and spills a few bytes to do so; the
+    forward at 16 padded heads uses all 255 anyway, and stating it there made two masked
+    variants spill."""
     wide = _padded_heads(H) > 8
     padded = available() and max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) > 8
     g = 2 if wide else 1
+    large = not mask and not padded                     # the larger blocks, first: fewer instructions
+    unpadded_mix = dot_min(32, arch)[2] <= 8 if available() else True   # 3.8 on: Compose's mixing unpadded
+    if large and wide and kernel == "backward_key_kernel" and score_grad_map(H):
+        g = 1                                           # no dk accumulators: every head in one program
     if kernel == "forward_kernel":
         blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide and not padded else [])
+        if large and not wide:
+            blocks.insert(0, (32, 16, 1))
     elif padded:                                        # 16 rows, then 8 padded
         blocks = [(16, 16, g), (8, 16, g) if kernel == "backward_query_kernel" else (16, 8, g)]
     elif kernel == "backward_query_kernel":
-        blocks = [(8, 16, 1) if wide else (16, 16, 1)]
+        fits = large and unpadded_mix and score_grad_map(H)                 # no dq accumulators
+        blocks = ([(16, 16, 1)] if fits else []) + [(8, 16, 1)] if wide else [(16, 16, 1)]
     else:
-        blocks = [(16, 8, g)]
+        blocks = ([(16, 16, 1)] if large and unpadded_mix and not wide else []) + [(16, 8, g)]
     maxnreg = None if wide and kernel == "forward_kernel" else MAX_REGISTERS
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=maxnreg) for bt, bs, g in blocks]
 
 
-_tuned: Dict[Tuple[str, int, int], object] = {}
+def score_grad_map(H: int) -> bool:
+    """Whether the backward goes through a map of the scores' gradient ``ds = dL/ds0`` (B, H,
+    T, S), in the operands' dtype: the query kernel writes it where it would multiply it by k,
+    and two batched products (cuBLAS) give ``dq = scale · ds k`` and ``dk = scale · dsᵀ q``;
+    neither kernel holds dq or dk accumulators. With 16 padded heads: there the key kernel's
+    dk accumulators would need its heads split between two programs (each recomputing every
+    head's scores and Compose), and the query kernel's dq ones 8-query blocks; without them
+    both take one program per 16 queries or 8 keys, for about 0.6 times the instructions,
+    against two products and the map's bytes (docs/performance.md). The map lives only while
+    the backward runs (at B/16's shape and batch 256, 238 MB)."""
+    return _padded_heads(H) > 8
+
+
+_tuned: Dict[Tuple, object] = {}
 
 
 def _arch(device: torch.device) -> int:
@@ -243,15 +267,15 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
     kernel = getattr(_kernels(device), name)
     arch = _arch(device)
     if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
-        c = block_sizes(H, name, arch)[0]
+        c = block_sizes(H, name, arch, kwargs["HAS_MASK"])[0]
         kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"],
                                                           num_warps=c["num_warps"], num_stages=c["num_stages"],
                                                           maxnreg=c["maxnreg"], **COMPILE_OPTIONS, **kwargs)
         return
-    key = (name, H, arch)
+    key = (name, H, arch, kwargs["HAS_MASK"])
     if key not in _tuned:
         configs = [triton.Config({"BT": c["BT"], "BS": c["BS"], "G": c["G"]}, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name, arch)]
+                                 num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name, arch, kwargs["HAS_MASK"])]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
     _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **COMPILE_OPTIONS, **kwargs)
 
@@ -392,6 +416,8 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     wq1, wk1, wq2, wk2 = (w and m is not None for w, m in zip(want, mats))
     dmq1, dmk1, dmq2, dmk2 = (q.new_empty(B, n, H, H, dtype=torch.float32) if w else None
                               for w, n in ((wq1, T), (wk1, S), (wq2, T), (wk2, S)))
+    by_product = score_grad_map(H)
+    ds = q.new_empty(B, H, T, S) if by_product else None                   # dL/ds0, for dq and dk
     delta = torch.empty_like(lse)
     mask_args = _mask_args(mask, lse)
     mat_ptrs = [lse if m is None else m for m in mats]
@@ -399,12 +425,16 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     flags = _flags(q, mask, mats)
     _launch("backward_query_kernel", q.device, H, T, "BT", B, (
         q, k, v, g, lse, delta, dq, lse if dmq1 is None else dmq1, lse if dmq2 is None else dmq2,
-        mask_args[0], *mat_ptrs,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dq.stride(), *mask_args[1:],
-        *strides, T, S, float(scale)), dict(flags, WANT_DMQ1=wq1, WANT_DMQ2=wq2))
+        lse if ds is None else ds, mask_args[0], *mat_ptrs,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dq.stride(), *(ds.stride() if by_product else (0,) * 4),
+        *mask_args[1:], *strides, T, S, float(scale)), dict(flags, WANT_DMQ1=wq1, WANT_DMQ2=wq2, DS_MAP=by_product))
     _launch("backward_key_kernel", q.device, H, S, "BS", B, (
         q, k, v, g, lse, delta, dk, dv, lse if dmk1 is None else dmk1, lse if dmk2 is None else dmk2,
         mask_args[0], *mat_ptrs,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dk.stride(), *mask_args[1:],
-        *strides, T, S, float(scale)), dict(flags, WANT_DMK1=wk1, WANT_DMK2=wk2))
+        *strides, T, S, float(scale)), dict(flags, WANT_DMK1=wk1, WANT_DMK2=wk2, DS_MAP=by_product))
+    if by_product:                                                          # scale applied before rounding
+        ds3 = ds.view(B * H, T, S)
+        dq.view(B * H, T, D).baddbmm_(ds3, k.reshape(B * H, S, D), beta=0, alpha=scale)
+        dk.view(B * H, S, D).baddbmm_(ds3.transpose(1, 2), q.reshape(B * H, T, D), beta=0, alpha=scale)
     return [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
