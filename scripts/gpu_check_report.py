@@ -82,7 +82,9 @@ def _kernel_times(out: Path, figures: List[Dict[str, Any]]) -> List[Dict[str, An
             est = measured.get(name, {}).get("estimate")
             if est is None:
                 k = model["kernels"]
-                est = {"forward": k["fwd"]["estimate"], "backward": k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"],
+                products = model.get("products") or {}
+                est = {"forward": k["fwd"]["estimate"],
+                       "backward": k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + products.get("estimate", 0.0),
                        "sdpa_forward": model["sdpa"]["forward"]["estimate"],
                        "sdpa_backward": model["sdpa"]["backward"]["estimate"]}[name]
             rows.append({"model": label, "what": name + " ms", "estimate": est,

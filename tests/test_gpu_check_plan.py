@@ -48,6 +48,43 @@ def test_the_estimate_counts_each_kernels_issue_slots(estimate):
         assert m["train_ratio"] <= m["train_ratio_roofline"]
 
 
+def test_the_compile_core_is_estimated_beside_the_kernels(estimate):
+    """The `compile` core priced by the same model (issue 43): each of its kernels reads and
+    writes whole (B, H, N, N) bf16 maps (counted here by hand from
+    `dcvit.matrices.attention_with_matrices`: q·kᵀ writes one; a Compose stage 5 reads and 4
+    writes, its backward 9 and 4; softmax 1 and 1, its backward 2 and 1; p·v reads one; the
+    backward's four q/k/v products read 4 and write 1), one after another. At the shapes
+    DCViT trains it is the slower core, so `auto` taking the Triton core agrees with it."""
+    for label, m in estimate["models"].items():
+        B, H, N = estimate["batch"], m["heads"], m["tokens"]
+        nmap = 2 * B * H * N * N
+        fwd, bwd = m["compile_core"]["forward"], m["compile_core"]["backward"]
+        assert fwd["bytes"] == (1 + 9 + 2 + 9 + 1) * nmap
+        assert bwd["bytes"] == (2 + 13 + 3 + 13 + 2) * nmap
+        for w in (fwd, bwd):
+            assert w["estimate"] >= w["bytes"] / estimate["gpu"]["hbm"] * 1e3 * (1 - 1e-12)   # memory-bound at least
+        assert m["core_ms"]["compile"] == pytest.approx(m["depth"] * (fwd["estimate"] + bwd["estimate"]))
+        assert m["lower_estimate"] == "triton", label
+        assert m["train_ratio_compile"] < m["train_ratio"]
+
+
+def test_the_score_gradient_map_is_priced_where_it_is_used(estimate):
+    """At 16 padded heads (B/16) dq and dk come from two products on the scores' gradient map
+    (`triton_core.score_grad_map`): the query kernel's bytes include the map it writes, the
+    products read it twice, and the backward's estimate adds them; S/16 has no map."""
+    from dcvit.bench import kernels
+    small, base = estimate["models"]["S/16"], estimate["models"]["B/16"]
+    assert small["products"] is None and base["products"] is not None
+    B, H, N, D = estimate["batch"], base["heads"], base["tokens"], base["head_dim"]
+    nmap = 2 * B * H * N * N
+    assert base["products"]["bytes"] == 2 * nmap + 4 * 2 * B * N * H * D
+    tok = B * N * H                     # bwd_q: reads q, k, v, dO, lse, 4 matrices; writes delta, dMq1, dMq2, the map
+    assert base["kernels"]["bwd_q"]["bytes"] == 4 * tok * D * 2 + 2 * tok * 4 + 6 * tok * H * 4 + nmap
+    assert kernels.backward_estimate(base) == pytest.approx(
+        base["kernels"]["bwd_q"]["estimate"] + base["kernels"]["bwd_k"]["estimate"] + base["products"]["estimate"])
+    assert kernels.backward_estimate(small) == small["kernels"]["bwd_q"]["estimate"] + small["kernels"]["bwd_k"]["estimate"]
+
+
 def test_cuda_plan_fits_500_s_from_the_estimate_most_valuable_first(planner, step_ms):
     rows = planner.plan(500, dry=False, step_ms=step_ms)
     assert [r["step"] for r in rows][:6] == ["environment", "kernels", "kernel_times", "bench_S_eager_triton",

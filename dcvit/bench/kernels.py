@@ -121,7 +121,7 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
             kernels, archs, heads, dims, dtypes, masks, mask_heads, stages):
         if by_head and not mask:
             continue
-        for c in block_sizes(H, kernel, arch):
+        for c in block_sizes(H, kernel, arch, mask):
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
                                c["num_stages"], c["G"], c.get("maxnreg"), by_head))
     return out
@@ -419,8 +419,9 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
     stage the tile, whose cast the compiled kernels share between the two sides, and each
     side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
-    from dcvit.kernels.triton_core import block_sizes, dot_min, _padded_heads
+    from dcvit.kernels.triton_core import block_sizes, dot_min, score_grad_map, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
+    grad_map = score_grad_map(H)                        # dq, dk left to two products (`grad_map_work`)
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
     nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
@@ -442,15 +443,16 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
         ops = (1 + 1 + 1 + 2) + (1 + 1 + 1) + 2 * 1 + 1 # scale, where, max, l update; scale, where, sub; compose adds; cast
         exps = 2
     elif kernel == "backward_query_kernel":
-        bf16 = 2 * (qk + qk) + qk                       # q·kᵀ, do·vᵀ in both passes; ds·k
+        bf16 = 2 * (qk + qk) + (0 if grad_map else qk)  # q·kᵀ, do·vᵀ in both passes; ds·k (or ds stored)
         stages, grads = 5, 2                            # pre both passes, post T both, pre T; dMq1, dMq2
         ops = 2 * (1 + 1 + 1) + 2 + 3 + 5 * 1 + 1       # scale, where, sub x2; delta; ds; compose adds; cast
         exps = 2
     else:                                               # G programs per key block, each for HP/G heads:
         g = c["G"]                                      # the scores and both stages for all heads in each
-        bf16 = g * 2 * qk + 2 * qk                      # k·qᵀ, v·doᵀ in each; p2ᵀ·do, dsᵀ·q for its heads
-        stages, grads = g * 2 + 2, 2                    # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
-        ops = g * (1 + 1 + 1 + 1 + 2 + 2) + 2 + 2       # scale, where, sub, where, ds, 2 compose adds; 2 adds, casts
+        own = 1 if grad_map else 2                      # p2ᵀ·do, dsᵀ·q for its heads (dk: a product outside)
+        bf16 = g * 2 * qk + own * qk                    # k·qᵀ, v·doᵀ in each
+        stages, grads = g * 2 + own, 2                  # pre, post T in each; post, pre T, dMk1, dMk2 for its heads
+        ops = g * (1 + 1 + 1 + 1 + 2 + 2) + 2 * own     # scale, where, sub, where, ds, 2 compose adds; adds, casts
         exps = g
     if mix_bf16:
         bf16, tf32, cast_ops = bf16 + stages * compose, grads * dm, stages * casts / 2
@@ -460,11 +462,21 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
     # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)
     reads, writes = {"forward_kernel": ((3, 0, 4), (1, 1, 0)),
-                     "backward_query_kernel": ((4, 1, 4), (1, 1, 2)),
-                     "backward_key_kernel": ((4, 2, 4), (2, 0, 2))}[kernel]
+                     "backward_query_kernel": ((4, 1, 4), (0 if grad_map else 1, 1, 2)),
+                     "backward_key_kernel": ((4, 2, 4), (1 if grad_map else 2, 0, 2))}[kernel]
     nbytes = sum(n * size for n, size in zip(reads + writes, 2 * (tok * D * half, tok * 4, tok * H * 4)))
+    if grad_map and kernel == "backward_query_kernel":
+        nbytes += B * H * N * N * half                  # the score-gradient map written
     return dict(bf16=pairs * bf16, tf32=pairs * tf32, fp32=pairs * (tile * ops + cast_ops), exp=pairs * tile * exps,
                 bytes=nbytes)
+
+
+def grad_map_work(B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, float]:
+    """dq = scale · ds k and dk = scale · dsᵀ q as two batched products (cuBLAS) on the
+    score-gradient map (`triton_core.score_grad_map`): their FLOPs on bf16 tensor cores, the
+    map read by each, q and k read and dq and dk written once."""
+    return dict(bf16=2 * 2 * B * H * N * N * D, tf32=0, fp32=0, exp=0,
+                bytes=2 * B * H * N * N * half + 4 * B * N * H * D * half)
 
 
 def warp_instructions(row: Dict, B: int, N: int) -> float:
@@ -500,6 +512,43 @@ def sdpa_work(B: int, H: int, N: int, D: int) -> Dict[str, Dict[str, float]]:
             "backward": dict(bf16=5 * mm, tf32=0, fp32=6 * B * H * N * N, exp=B * H * N * N, bytes=8 * tok)}
 
 
+def _mix_ops(stage: str, backward: bool) -> List[tuple]:
+    """One Compose stage's kernels under Inductor (see `compile_core_work`)."""
+    if not backward:
+        return [(f"{stage} query side", 1, 1, 0, 1), (f"{stage} key side, permuted copy", 1, 1, 0, 0),
+                (f"{stage} key side", 1, 1, 0, 1), (f"{stage} permuted add", 2, 1, 0, 0)]
+    return [(f"{stage}ᵀ query side", 1, 1, 0, 1), (f"{stage} query matrices' gradient", 2, 0, 0, 1),
+            (f"{stage}ᵀ key side, permuted copy", 1, 1, 0, 0), (f"{stage}ᵀ key side", 1, 1, 0, 1),
+            (f"{stage} key matrices' gradient", 2, 0, 0, 1), (f"{stage}ᵀ permuted add", 2, 1, 0, 0)]
+
+
+def compile_core_work(B: int, H: int, N: int, D: int) -> Dict[str, Dict[str, float]]:
+    """The ``compile`` core's forward and backward (every stage with both matrix sides, no
+    mask) by the same model as the kernels: each Inductor kernel or cuBLAS product reads and
+    writes whole (B, H, N, N) bf16 maps in HBM (a map is 2·B·H·N² bytes; q, k, v and the
+    matrices are small beside them), its products on bf16 tensor cores. Per direction:
+    ``ops`` (name, maps read, maps written, q·kᵀ-sized products, one-side mixings), and the
+    summed work; `compile_core_ms` takes each kernel's slowest unit and adds them (kernels
+    run one after another)."""
+    fwd = [("q·kᵀ", 0, 1, 1, 0), *_mix_ops("pre-compose", False), ("softmax", 1, 1, 0, 0),
+           *_mix_ops("post-compose", False), ("p·v", 1, 0, 1, 0)]
+    bwd = [("dO·vᵀ, pᵀ·dO", 1, 1, 2, 0), *_mix_ops("post-compose", True), ("softmax backward", 2, 1, 0, 0),
+           *_mix_ops("pre-compose", True), ("ds·k, dsᵀ·q", 2, 0, 2, 0)]
+    qk, mix, nmap = 2 * B * H * N * N * D, 2 * B * N * N * H * H, 2 * B * H * N * N
+    out = {}
+    for name, ops in (("forward", fwd), ("backward", bwd)):
+        per_op = [dict(op=o, bf16=n_qk * qk + n_mix * mix, tf32=0, fp32=0, exp=N * N * B * H if o == "softmax" else 0,
+                       bytes=(r + w) * nmap) for o, r, w, n_qk, n_mix in ops]
+        out[name] = dict(ops=per_op, **{k: sum(op[k] for op in per_op) for k in ("bf16", "tf32", "fp32", "exp", "bytes")})
+    return out
+
+
+def compile_core_ms(work: Dict, gpu: Dict = H100) -> float:
+    """Milliseconds of one direction of `compile_core_work`: each kernel's slowest unit at the
+    published peaks, added."""
+    return sum(max(roofline_ms(op, gpu)[u] for u in ("tensor", "cuda", "memory")) for op in work["ops"])
+
+
 def _compiled_production(shapes: Sequence[tuple], jobs: int) -> tuple:
     """Each kernel compiled for sm_90 as DCViT trains with it (bf16, no mask, both stages with
     both sides, the first `block_sizes` candidate) at each (heads, head dim): ({(kernel, H):
@@ -528,6 +577,7 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from dcvit.accounting import analytic_macs
+    from dcvit.kernels.triton_core import score_grad_map
     tri = triton_module()
     nets = {label: (timm.create_model(dc_name), timm.create_model(vit_name))
             for label, (dc_name, vit_name) in MODELS.items()}
@@ -548,22 +598,35 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
                 w["warp_instructions"] = warp_instructions(compiled[(k, H)], batch, N)
                 w["registers"] = compiled[(k, H)]["registers"]
             w.update(roofline_ms(w))
+        products = None                                 # by their work: cuBLAS's code is not Triton's to count
+        if score_grad_map(H):
+            products = grad_map_work(batch, H, N, D)
+            products.update(roofline_ms(products))
+        extra = products["estimate"] if products else 0.0
         sdpa = sdpa_work(batch, H, N, D)
         for w in sdpa.values():
             w.update(roofline_ms(w))
+        other = compile_core_work(batch, H, N, D)
+        for w in other.values():
+            w.update(roofline_ms(w))
+            w["estimate"] = compile_core_ms(w)              # its kernels one after another
         dense = ("patch_embed", "qkv", "proj", "mlp", "head", "dynamic_weights")
         macs_dc, macs_vit = analytic_macs(dc, batch), analytic_macs(vit, batch)
         # training: forward + backward (twice the forward's products), 2 FLOPs per MAC
         dense_ms = {name: 1e3 * 3 * 2 * sum(m[k] for k in dense) / H100["bf16"]
                     for name, m in (("dcvit", macs_dc), ("vit", macs_vit))}
-        core_dc = depth * sum(w["estimate"] for w in kernels.values())
-        roof_dc = depth * sum(max(w["tensor"], w["cuda"], w["memory"]) for w in kernels.values())
+        core_dc = depth * (sum(w["estimate"] for w in kernels.values()) + extra)
+        roof_dc = depth * (sum(max(w["tensor"], w["cuda"], w["memory"]) for w in kernels.values()) + extra)
         core_vit = depth * sum(w["estimate"] for w in sdpa.values())
+        core_other = depth * sum(w["estimate"] for w in other.values())
         step_dc, step_vit = dense_ms["dcvit"] + core_dc, dense_ms["vit"] + core_vit
         out["models"][label] = dict(
             dcvit=dc_name, vit=vit_name, heads=H, head_dim=D, tokens=N, depth=depth,
-            kernels=kernels, sdpa=sdpa, dense_ms=dense_ms, core_ms=dict(dcvit=core_dc, vit=core_vit),
-            step_ms=dict(dcvit=step_dc, vit=step_vit), train_ratio=step_vit / step_dc,
+            kernels=kernels, products=products, sdpa=sdpa, compile_core=other, dense_ms=dense_ms,
+            core_ms=dict(dcvit=core_dc, vit=core_vit, compile=core_other),
+            step_ms=dict(dcvit=step_dc, vit=step_vit, compile=dense_ms["dcvit"] + core_other),
+            train_ratio=step_vit / step_dc, train_ratio_compile=step_vit / (dense_ms["dcvit"] + core_other),
+            lower_estimate="triton" if core_dc <= core_other else "compile",
             train_ratio_roofline=step_vit / (dense_ms["dcvit"] + roof_dc))
     return out
 
@@ -581,7 +644,9 @@ def estimate_table(est: Dict) -> str:
              "tensor ms | CUDA-core ms | memory ms | issue ms | estimate ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in est["models"].items():
-        rows = list(m["kernels"].items()) + [(f"SDPA {k}", w) for k, w in m["sdpa"].items()]
+        rows = (list(m["kernels"].items()) + ([("dq, dk products", m["products"])] if m.get("products") else [])
+                + [(f"SDPA {k}", w) for k, w in m["sdpa"].items()]
+                + [(f"`compile` core {k}", w) for k, w in m["compile_core"].items()])
         for name, w in rows:
             wi, issue = w.get("warp_instructions"), w.get("issue")
             lines.append(f"| {label} (H={m['heads']}) | {name} | {w['bf16'] / 1e9:.1f} | {w['tf32'] / 1e9:.1f} | "
@@ -589,14 +654,23 @@ def estimate_table(est: Dict) -> str:
                          f"{'-' if wi is None else f'{wi / 1e9:.2f}'} | {w['tensor']:.3f} | {w['cuda']:.3f} | "
                          f"{w['memory']:.3f} | {'-' if issue is None else f'{issue:.3f}'} | {w['estimate']:.3f} |")
     lines += ["", "| model | layers | dense layers, train step ms (DCViT / ViT) | attention cores ms "
-              "(DCViT / SDPA) | step ms (DCViT / ViT) | training ratio ViT/DCViT | without the issue times |",
-              "|---|---|---|---|---|---|---|"]
+              "(DCViT / SDPA) | step ms (DCViT / ViT) | training ratio ViT/DCViT | without the issue times | "
+              "`compile` core: cores ms / ratio |",
+              "|---|---|---|---|---|---|---|---|"]
     for label, m in est["models"].items():
         lines.append(f"| {label} | {m['depth']} | {m['dense_ms']['dcvit']:.1f} / {m['dense_ms']['vit']:.1f} | "
                      f"{m['core_ms']['dcvit']:.1f} / {m['core_ms']['vit']:.1f} | "
                      f"{m['step_ms']['dcvit']:.1f} / {m['step_ms']['vit']:.1f} | {m['train_ratio']:.2f} | "
-                     f"{m['train_ratio_roofline']:.2f} |")
+                     f"{m['train_ratio_roofline']:.2f} | {m['core_ms']['compile']:.1f} / "
+                     f"{m['train_ratio_compile']:.2f} |")
     return "\n".join(lines)
+
+
+def backward_estimate(model: Dict) -> float:
+    """One layer's backward in ms as `estimate` gives it: the two kernels and, where the
+    score-gradient map is used, the products that give dq and dk."""
+    k, products = model["kernels"], model.get("products")
+    return k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + (products["estimate"] if products else 0.0)
 
 
 def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:
@@ -627,7 +701,7 @@ def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:
                          rep=steps * 10)
         ker = m["kernels"]
         out[label] = {"forward": dict(estimate=ker["fwd"]["estimate"], measured=fwd),
-                      "backward": dict(estimate=ker["bwd_q"]["estimate"] + ker["bwd_k"]["estimate"], measured=bwd),
+                      "backward": dict(estimate=backward_estimate(m), measured=bwd),
                       "sdpa_forward": dict(estimate=m["sdpa"]["forward"]["estimate"], measured=s_fwd),
                       "sdpa_backward": dict(estimate=m["sdpa"]["backward"]["estimate"], measured=s_all - s_fwd),
                       "train_ratio_estimate": m["train_ratio"]}
