@@ -41,11 +41,18 @@ def rows():
 
 
 def test_production_variants_are_all_there(rows):
-    """Every kernel, head count, target and candidate, with and without a mask."""
+    """Every kernel, head count, target and candidate, with and without a mask (without one
+    the larger blocks come first, so there are more candidates)."""
+    from dcvit.kernels.triton_core import block_sizes
     unmasked = [r for r in rows if not r["mask"]]
     assert {(r["kernel"], r["H"], r["arch"]) for r in unmasked} == set(
         itertools.product(kernel_report.KERNELS, HEADS, (80, 90)))
-    assert len(unmasked) == len(rows) // 2 >= 2 * len(HEADS) * 3
+    for mask in (False, True):
+        want = [(k, H, a, c["BT"], c["BS"], c["G"]) for k in kernel_report.KERNELS for H in HEADS for a in (80, 90)
+                for c in block_sizes(H, k, a, mask)]
+        got = [(r["kernel"], r["H"], r["arch"], r["BT"], r["BS"], r["G"]) for r in rows if r["mask"] == mask]
+        assert sorted(got) == sorted(want)
+    assert len(rows) - len(unmasked) >= 2 * len(HEADS) * 3
 
 
 def test_a_shared_mask_and_a_mask_per_head_compile_apart():

@@ -199,12 +199,13 @@ def test_head_dim_loaded_in_halves():
 def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
     """9 heads (16 padded), head dim 40, a mask, with each forward block candidate: with a
     mask the key kernel splits its heads between programs (`block_sizes`' G) and the query
-    kernel owns 8 queries, the score-gradient map giving dq and dk."""
+    kernel owns 8 queries; dq and dk come from the kernels (no score-gradient map)."""
     sizes = triton_core.block_sizes
     monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90, mask=False: (
         sizes(H, kernel, arch, mask)[fwd:] + sizes(H, kernel, arch, mask)[:fwd] if kernel == "forward_kernel"
         else sizes(H, kernel, arch, mask)))
     assert triton_core.block_sizes(9, "backward_key_kernel", mask=True)[0]["G"] == 2
+    assert not triton_core.score_grad_map(9, mask=True)
     assert triton_core.block_sizes(9, "backward_query_kernel", mask=True)[0]["BT"] == 8
     _assert_matches(*_case(1, 9, 19, 17, 40, seed=17), scale=40 ** -0.5)
 

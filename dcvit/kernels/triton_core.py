@@ -214,12 +214,11 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     forward at 16 padded heads uses all 255 anyway, and stating it there made two masked
     variants spill."""
     wide = _padded_heads(H) > 8
-    padded = available() and max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) > 8
-    g = 2 if wide else 1
+    padded = _rows_padded(arch)
     large = not mask and not padded                     # the larger blocks, first: fewer instructions
     unpadded_mix = dot_min(32, arch)[2] <= 8 if available() else True   # 3.8 on: Compose's mixing unpadded
-    if large and wide and kernel == "backward_key_kernel" and score_grad_map(H):
-        g = 1                                           # no dk accumulators: every head in one program
+    by_map = score_grad_map(H, arch, mask)              # no dq, dk accumulators
+    g = 2 if wide and not by_map else 1                 # else every head in one key-kernel program
     if kernel == "forward_kernel":
         blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide and not padded else [])
         if large and not wide:
@@ -227,25 +226,31 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     elif padded:                                        # 16 rows, then 8 padded
         blocks = [(16, 16, g), (8, 16, g) if kernel == "backward_query_kernel" else (16, 8, g)]
     elif kernel == "backward_query_kernel":
-        fits = large and unpadded_mix and score_grad_map(H)                 # no dq accumulators
-        blocks = ([(16, 16, 1)] if fits else []) + [(8, 16, 1)] if wide else [(16, 16, 1)]
+        blocks = ([(16, 16, 1)] if by_map and unpadded_mix else []) + [(8, 16, 1)] if wide else [(16, 16, 1)]
     else:
         blocks = ([(16, 16, 1)] if large and unpadded_mix and not wide else []) + [(16, 8, g)]
     maxnreg = None if wide and kernel == "forward_kernel" else MAX_REGISTERS
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=maxnreg) for bt, bs, g in blocks]
 
 
-def score_grad_map(H: int) -> bool:
+def _rows_padded(arch: int) -> bool:
+    """Whether the running Triton's `tl.dot` takes no 8-row or 8-column side (3.4, `dot_min`)."""
+    return available() and max(*dot_min(16, arch)[:2], *dot_min(32, arch)[:2]) > 8
+
+
+def score_grad_map(H: int, arch: int = 90, mask: bool = False) -> bool:
     """Whether the backward goes through a map of the scores' gradient ``ds = dL/ds0`` (B, H,
     T, S), in the operands' dtype: the query kernel writes it where it would multiply it by k,
     and two batched products (cuBLAS) give ``dq = scale · ds k`` and ``dk = scale · dsᵀ q``;
-    neither kernel holds dq or dk accumulators. With 16 padded heads: there the key kernel's
-    dk accumulators would need its heads split between two programs (each recomputing every
-    head's scores and Compose), and the query kernel's dq ones 8-query blocks; without them
-    both take one program per 16 queries or 8 keys, for about 0.6 times the instructions,
-    against two products and the map's bytes (docs/performance.md). The map lives only while
-    the backward runs (at B/16's shape and batch 256, 238 MB)."""
-    return _padded_heads(H) > 8
+    neither kernel holds dq or dk accumulators. With 16 padded heads and no mask, from Triton
+    3.5 on: there the key kernel's dk accumulators would need its heads split between two
+    programs (each recomputing every head's scores and Compose), and the query kernel's dq
+    ones 8-query blocks; without them both take one program per 16 queries (3.8 on) or 8
+    keys, for about 0.6 times the instructions, against two products and the map's bytes
+    (docs/performance.md). With a mask, whose tile takes registers too, and under 3.4 the
+    split stays, and the map would cost more than it saves. The map lives only while the
+    backward runs (at B/16's shape and batch 256, 238 MB)."""
+    return _padded_heads(H) > 8 and not mask and not _rows_padded(arch)
 
 
 _tuned: Dict[Tuple, object] = {}
@@ -416,7 +421,7 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     wq1, wk1, wq2, wk2 = (w and m is not None for w, m in zip(want, mats))
     dmq1, dmk1, dmq2, dmk2 = (q.new_empty(B, n, H, H, dtype=torch.float32) if w else None
                               for w, n in ((wq1, T), (wk1, S), (wq2, T), (wk2, S)))
-    by_product = score_grad_map(H)
+    by_product = score_grad_map(H, _arch(q.device), mask is not None)
     ds = q.new_empty(B, H, T, S) if by_product else None                   # dL/ds0, for dq and dk
     delta = torch.empty_like(lse)
     mask_args = _mask_args(mask, lse)
