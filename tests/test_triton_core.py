@@ -485,6 +485,20 @@ def test_self_check_passes_and_is_remembered(monkeypatch):
     assert not triton_core.works_on(q.double())
 
 
+def test_triton_3_4_is_declined_where_it_spills(monkeypatch):
+    """Under a Triton whose `tl.dot` takes 16 rows at least (3.4) the check declines 9-16
+    heads before compiling anything, with one warning naming the release and the fix; up to
+    8 heads, and from 3.5 on, it runs the check."""
+    monkeypatch.setattr(triton_core, "_checked", {})
+    monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: (16, 16, 16))
+    assert triton_core.known_to_spill(90, 6) is None
+    monkeypatch.setattr(triton_core, "_self_check", lambda *a: pytest.fail("compiled where it spills"))
+    with pytest.warns(RuntimeWarning, match=r"9-16 heads; Triton 3.5 or newer"):
+        assert not triton_core.works_on(torch.zeros(1, 9, 5, 8, device=DEVICE))
+    monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: (1, 1, 16))     # 3.5-3.7
+    assert triton_core.known_to_spill(90, 9) is None
+
+
 def test_auto_runs_triton_inside_torch_compile(monkeypatch):
     """Where "auto" runs the Triton core in eager mode, it runs it inside ``torch.compile``
     too (full graph, dynamic shapes): one custom op of the traced graph, after the one-time

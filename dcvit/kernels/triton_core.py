@@ -31,8 +31,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for", "score_grad_map",
-           "attention_forward", "attention_backward", "block_sizes", "MAX_HEADS"]
+__all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for", "known_to_spill",
+           "score_grad_map", "attention_forward", "attention_backward", "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
 MAX_REGISTERS = 255       # a thread's registers: the hardware's bound, stated to ptxas (`block_sizes`)
@@ -125,8 +125,8 @@ def works_on(q: Tensor) -> bool:
 def works_for(device: str, dtype: torch.dtype, heads: int, head_dim: int) -> bool:
     """Whether the kernels compile for this device, dtype, heads and head dim and agree with
     the attention formula there (every stage, key-side matrices and a mask; forward and every
-    gradient, on a small random problem). Checked once per configuration and remembered; a
-    failure is reported once as a warning. The automatic core choice asks this before it
+    gradient, on a small random problem), and are not known to spill there (`known_to_spill`).
+    Checked once per configuration and remembered; a failure is reported once as a warning. The automatic core choice asks this before it
     picks the Triton core on a GPU where it was never measured. Inside ``torch.compile`` the
     call runs once, while the graph is traced, and its answer is a constant of the graph
     (``assume_constant_result``): the arguments are plain values for that."""
@@ -134,20 +134,33 @@ def works_for(device: str, dtype: torch.dtype, heads: int, head_dim: int) -> boo
     if not available() or heads > MAX_HEADS or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False                                          # outside the kernels' range
     if key not in _checked:
-        reason = ""
-        try:
-            err = _self_check(torch.device(device), dtype, heads, head_dim)
-            tol = 1e-3 if dtype == torch.float32 else 3e-2
-            if not err <= tol:
-                reason = f"relative error {err:.2e} > {tol:.0e} against the formula"
-        except Exception as e:  # noqa: BLE001  (compile errors, out of resources, ...)
-            reason = f"{type(e).__name__}: {str(e)[:300]}"
+        reason = known_to_spill(_arch(torch.device(device)), heads) or ""
+        if not reason:
+            try:
+                err = _self_check(torch.device(device), dtype, heads, head_dim)
+                tol = 1e-3 if dtype == torch.float32 else 3e-2
+                if not err <= tol:
+                    reason = f"relative error {err:.2e} > {tol:.0e} against the formula"
+            except Exception as e:  # noqa: BLE001  (compile errors, out of resources, ...)
+                reason = f"{type(e).__name__}: {str(e)[:300]}"
         if reason:
             warnings.warn(f"DCMHA: the Triton attention core is not used on {device} for "
                           f"{heads} heads of {head_dim} dims in {dtype} ({reason}); using the 'compile' core",
                           RuntimeWarning, stacklevel=3)
         _checked[key] = not reason
     return _checked[key]
+
+
+def known_to_spill(arch: int, heads: int) -> Optional[str]:
+    """Why the running Triton's compilation of the kernels for ``heads`` heads is declined,
+    or None: under Triton 3.4 (`tl.dot` of 16 rows at least, `dot_min`) the backward kernels
+    spill 280-1,200 bytes a thread at 9-16 heads (docs/performance.md, "Under each Triton
+    release"), where from 3.5 on every variant fits; the `compile` core serves there, and
+    the Triton core can still be forced."""
+    if _padded_heads(heads) > 8 and _rows_padded(arch):
+        return (f"under Triton {_TRITON_VERSION} the backward kernels spill 280-1,200 bytes a thread at "
+                f"9-16 heads; Triton 3.5 or newer runs them without spills")
+    return None
 
 
 def _self_check(device: torch.device, dtype: torch.dtype, H: int, D: int) -> float:
