@@ -448,7 +448,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
                           DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                           FAST_EXP: tl.constexpr):
     """One block of BT queries and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
-    and dq (B, H, T, D) of those heads, and the per-query matrix gradients dMq1[t, h, :],
+    and dq (B, H, T, D) of those heads (with DS_MAP the scores' gradient DS (B, H, T, S)
+    instead, in the operands' dtype), and the per-query matrix gradients dMq1[t, h, :],
     dMq2[t, :, h] (B, T, H, H)."""
     HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
@@ -545,9 +546,9 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                         DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                         FAST_EXP: tl.constexpr):
     """One block of BS keys and one group of HP/G heads h (program_id 2), over every query
-    block: dk, dv (B, H, S, D) (the same strides) of those heads and the key-side matrix
-    gradients dMk1[s, h, :], dMk2[s, :, h] (B, S, H, H). Compose tiles are (keys, queries,
-    heads)."""
+    block: dk (not with DS_MAP), dv (B, H, S, D) (the same strides) of those heads and the
+    key-side matrix gradients dMk1[s, h, :], dMk2[s, :, h] (B, S, H, H). Compose tiles are
+    (keys, queries, heads)."""
     HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
     h0 = 0                                                                  # the group's first head

@@ -126,10 +126,11 @@ def works_for(device: str, dtype: torch.dtype, heads: int, head_dim: int) -> boo
     """Whether the kernels compile for this device, dtype, heads and head dim and agree with
     the attention formula there (every stage, key-side matrices and a mask; forward and every
     gradient, on a small random problem), and are not known to spill there (`known_to_spill`).
-    Checked once per configuration and remembered; a failure is reported once as a warning. The automatic core choice asks this before it
-    picks the Triton core on a GPU where it was never measured. Inside ``torch.compile`` the
-    call runs once, while the graph is traced, and its answer is a constant of the graph
-    (``assume_constant_result``): the arguments are plain values for that."""
+    Checked once per configuration and remembered; a failure is reported once as a warning.
+    The automatic core choice asks this before it picks the Triton core on a GPU where it was
+    never measured. Inside ``torch.compile`` the call runs once, while the graph is traced,
+    and its answer is a constant of the graph (``assume_constant_result``): the arguments are
+    plain values for that."""
     key = (device, dtype, heads, head_dim)
     if not available() or heads > MAX_HEADS or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False                                          # outside the kernels' range
