@@ -4,7 +4,9 @@
 ``compose2(softmax(compose1(scale q kᵀ) + mask)) @ v`` (docs/spec.md §1.1) with every
 stage given as per-token H×H matrices ``(mq, mk)`` (`dcvit.matrices`): one Triton launch,
 returning the output (B, T, H, D) and each head's row log-sum-exp (B, H, T), the softmax
-statistics that ``attention_backward`` takes instead of any (B, H, T, S) map (two launches).
+statistics that ``attention_backward`` takes instead of the forward's (B, H, T, S) maps (two
+launches; at 9-16 heads without a mask also two batched products on the scores' gradient,
+which the first launch writes, `score_grad_map`).
 The dispatcher plugs both into its custom op ``dcvit::composed_attention`` as the core
 ``"triton"`` (`dcvit.fused.register_core`), which carries the statistics from forward to
 backward and which ``torch.compile`` keeps as one node.
