@@ -49,11 +49,11 @@ def test_the_estimate_counts_each_kernels_issue_slots(estimate):
 
 
 def test_the_compile_core_is_estimated_beside_the_kernels(estimate):
-    """The `compile` core priced by the same model (issue 43): each of its kernels reads and
+    """The `compile` core priced by the same model as the kernels: each of its kernels reads and
     writes whole (B, H, N, N) bf16 maps (counted here by hand from
     `dcvit.matrices.attention_with_matrices`: q·kᵀ writes one; a Compose stage 5 reads and 4
     writes, its backward 9 and 4; softmax 1 and 1, its backward 2 and 1; p·v reads one; the
-    backward's four q/k/v products read 4 and write 1), one after another. At the shapes
+    backward's four q/k/v products read 3 and write 1), one after another. At the shapes
     DCViT trains it is the slower core, so `auto` taking the Triton core agrees with it."""
     for label, m in estimate["models"].items():
         B, H, N = estimate["batch"], m["heads"], m["tokens"]
