@@ -211,7 +211,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     double the tiles in shared memory).
 
     Without a mask, as DCViT trains, larger blocks come first, for fewer instructions per
-    score: 32 queries by 16 keys in the forward at 8 padded heads; where Compose's mixing is
+    score: 32 queries by 32 keys in the forward at 8 padded heads; where Compose's mixing is
     not padded in its contraction (3.8 on) 16 keys in the key kernel at 8 padded heads, and
     at 16 padded heads, with the score-gradient map (`score_grad_map`: no dq, dk
     accumulators), 16 queries in the query kernel and all heads in one key-kernel program.
@@ -238,7 +238,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     if kernel == "forward_kernel":
         blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide and not padded else [])
         if large and not wide:
-            blocks.insert(0, (32, 16, 1))
+            blocks.insert(0, (32, 32, 1))
     elif padded:                                        # 16 rows, then 8 padded
         blocks = [(16, 16, g), (8, 16, g) if kernel == "backward_query_kernel" else (16, 8, g)]
     elif kernel == "backward_query_kernel":
