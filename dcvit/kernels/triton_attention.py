@@ -180,21 +180,16 @@ def _t(x):
 
 
 @triton.jit
-def _matrices(M, rows, n_stride, rows_ok, H: tl.constexpr, HP: tl.constexpr):
+def _matrices(HAS: tl.constexpr, M, rows, n_stride, rows_ok, H: tl.constexpr, HP: tl.constexpr):
     """The H×H matrices of the tokens on a tile's axis (rows: their indices, (X, 1, 1)) as an
-    (X, HP, HP) float32 tile ``m[x, g, h]``, zero-padded. Each token's matrix is contiguous
-    (row stride H: constant offsets, vector loads). Loaded once per block: a stage and its
-    backward take the same tile, the latter transposed in registers (`_mix`)."""
-    g = tl.arange(0, HP)[None, :, None]
-    h = tl.arange(0, HP)[None, None, :]
-    return tl.load(M + rows * n_stride + g * H + h, mask=rows_ok & (g < H) & (h < H), other=0.0)
-
-
-@triton.jit
-def _matrices_if(HAS: tl.constexpr, M, rows, n_stride, rows_ok, H: tl.constexpr, HP: tl.constexpr):
-    """`_matrices` where the stage or side is present (HAS), else nothing to load (0)."""
+    (X, HP, HP) float32 tile ``m[x, g, h]``, zero-padded; where the stage or side is absent
+    (not HAS), nothing to load (0). Each token's matrix is contiguous (row stride H: constant
+    offsets, vector loads). Loaded once per block: a stage and its backward take the same
+    tile, the latter transposed in registers (`_mix`)."""
     if HAS:
-        out = _matrices(M, rows, n_stride, rows_ok, H, HP)
+        g = tl.arange(0, HP)[None, :, None]
+        h = tl.arange(0, HP)[None, None, :]
+        out = tl.load(M + rows * n_stride + g * H + h, mask=rows_ok & (g < H) & (h < H), other=0.0)
     else:
         out = 0
     return out
@@ -392,15 +387,15 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     qt0, qt1 = _load_t_halves(Q + b * sqb, hh * sqh + tc * sqt, sqd, hm & (tc < T), D, DP)
     t = t_idx[:, None, None]                                                # (tokens, ., heads) tiles
     h2 = tl.arange(0, HP)[None, :]
-    mq1 = _matrices_if(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
-    mq2 = _matrices_if(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
+    mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
+    mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
 
     m_i = tl.full((BT, HP), -1e30, tl.float32)
     l_i = tl.zeros((BT, HP), tl.float32)
     for start in range(0, S, BS):                                           # pass 1: row statistics
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
@@ -417,8 +412,8 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     for start in range(0, S, BS):                                           # pass 2: output
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-        mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
+        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+        mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
         x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                    PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
                     mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
@@ -466,8 +461,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     t2 = t_idx[:, None]
     h2 = tl.arange(0, HP)[None, :]
     stat = (b * H + h2) * T + t2                                            # (BT, HP)
-    mq1 = _matrices_if(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
-    mq2 = _matrices_if(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
+    mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
+    mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
     lse = tl.load(LSE + stat, mask=(h2 < H) & (t2 < T), other=0.0)
 
     delta = tl.zeros((BT, HP), tl.float32)
@@ -475,8 +470,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     for start in range(0, S, BS):                                           # pass 1: delta, dMq2
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-        mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
+        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+        mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
@@ -502,8 +497,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     for start in range(0, S, BS):                                           # pass 2: dq, dMq1
         sr = start + tl.arange(0, BS)[None, :, None]
         s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-        mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
+        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+        mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
         s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
@@ -559,8 +554,8 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     hm = hh < H
     s = s_idx[:, None, None]
     h3 = tl.arange(0, HP)[None, None, :]
-    mk1 = _matrices_if(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-    mk2 = _matrices_if(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
+    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
+    mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
     sc = s_idx[None, None, :]
@@ -576,8 +571,8 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     for start in range(0, T, BT):
         tr = start + tl.arange(0, BT)[None, :, None]
         t = start + tl.arange(0, BT)[:, None, None]
-        mq1 = _matrices_if(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
-        mq2 = _matrices_if(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
+        mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
+        mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
         s0 = _t(_dot_by_halves(Q + b * sqb, hh * sqh + tr * sqt, sqd, hm & (tr < T), kt0, kt1, D, DP,
                                PRECISION, DOT_MN)) * scale
         x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
