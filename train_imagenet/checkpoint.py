@@ -146,12 +146,12 @@ def write_refused(e: BaseException, path: str, run_dir: str, kept: str,
     where torch wraps it. `kept` says what is intact; the message ends with the fix, then
     `then`: what runs again (`RESUME`, resume=auto, after which the newest checkpoint, the
     one it continues from, is named)."""
-    if then == RESUME:
-        kept = f"{kept} (the newest: {(list_checkpoints(run_dir) or ['none was saved yet'])[-1]})"
     found = _cause(e, (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
                        errno.EROFS, errno.EISDIR))
     if found is None:
         return None
+    if then == RESUME:
+        kept = f"{kept} (the newest: {(list_checkpoints(run_dir) or ['none was saved yet'])[-1]})"
     path = found.filename2 or found.filename or path    # EISDIR of a rename names the folder second
     if found.errno in (errno.ENOSPC, errno.EDQUOT):
         return CheckpointError(
