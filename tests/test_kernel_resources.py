@@ -88,9 +88,11 @@ def test_products_run_on_tensor_cores(rows):
 
 def test_machine_code_is_counted(rows):
     """Each variant's instructions are counted from its cubin (cuobjdump): its loops found
-    inside its code, as the estimate's issue times need them."""
+    inside its code, as the estimate's issue times need them, two per pass (the last
+    block's, then the whole blocks')."""
     ok = [r for r in rows if "error" not in r]
     assert ok and all(0 < r["sass_loop"] < r["sass"] for r in ok)
+    assert all(len(r["loops"]) == (2 if r["kernel"] == "backward_key_kernel" else 4) for r in ok)
 
 
 SASS = """
@@ -99,23 +101,31 @@ SASS = """
         /*0010*/                   IADD3 R2, R2, 0x1, RZ ;         /* 0x0000000102027810 */
         /*0020*/                   ISETP.GE.AND P0, PT, R2, 0x10, PT ;
         /*0030*/               @!P0 BRA 0x10 ;                     /* 0xfffffffc00f08947 */
-        /*0040*/                   EXIT ;
-        /*0050*/                   BRA 0x50;
+        /*0040*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0050*/               @!P0 BRA 0x40 ;
+        /*0060*/                   EXIT ;
+        /*0070*/                   BRA 0x70;
 """
 
 
 def test_sass_loops_run_from_a_backward_branch_target_to_the_branch():
-    assert kernel_report._sass_figures(SASS) == {"sass": 6, "sass_loop": 3}
+    assert kernel_report._sass_figures(SASS) == {"sass": 8, "sass_loop": 5, "loops": [3, 2]}
 
 
 def test_warp_instructions_count_each_loop_once_per_block_visited():
-    row = dict(kernel="forward_kernel", BT=16, BS=16, G=1, num_warps=8, sass=100, sass_loop=30)
-    # 2 sequences x 3 query blocks x 8 warps x (70 outside the loop + 3 key blocks x 30)
-    assert kernel_report.warp_instructions(row, B=2, N=33) == 2 * 3 * 8 * (70 + 3 * 30)
-    key = dict(row, kernel="backward_key_kernel", BS=8, G=2)
-    # 2 sequences x 5 key blocks x 2 head groups x 8 warps x (70 + 3 query blocks x 30)
-    assert kernel_report.warp_instructions(key, B=2, N=33) == 2 * 5 * 2 * 8 * (70 + 3 * 30)
-
+    """A pass is two loops: the partial last block (one visit where N leaves one, none where
+    it does not), then the whole blocks (N // block visits)."""
+    row = dict(kernel="forward_kernel", BT=16, BS=16, G=1, num_warps=8, sass=200, sass_loop=100,
+               loops=[20, 30, 10, 40])
+    # 2 sequences x 3 query blocks x 8 warps x (100 outside the loops + 2 whole key blocks x
+    # (30 + 40) + the partial one, 20 + 10)
+    assert kernel_report.warp_instructions(row, B=2, N=33) == 2 * 3 * 8 * (100 + 2 * 70 + 30)
+    assert kernel_report.warp_instructions(row, B=2, N=32) == 2 * 2 * 8 * (100 + 2 * 70)
+    key = dict(row, kernel="backward_key_kernel", BS=8, G=2, sass=150, sass_loop=50, loops=[20, 30])
+    # 2 sequences x 5 key blocks x 2 head groups x 8 warps x (100 + 2 whole query blocks x 30 + 20)
+    assert kernel_report.warp_instructions(key, B=2, N=33) == 2 * 5 * 2 * 8 * (100 + 2 * 30 + 20)
+    with pytest.raises(ValueError, match="expected 2"):
+        kernel_report.warp_instructions(dict(key, loops=[50]), B=2, N=33)
 
 
 def test_progress_passes_every_row_in_order_with_and_without_tqdm(monkeypatch, capsys):

@@ -146,6 +146,14 @@ def test_each_stage_optional(pre, post, mk):
     _assert_matches(*_case(2, 3, 17, 23, 8, pre=pre, post=post, mk=mk, seed=3))
 
 
+@pytest.mark.parametrize("T,S", [(32, 64), (64, 32), (5, 7)])
+def test_whole_blocks_alone_and_a_partial_block_alone(T, S):
+    """The kernels loop over whole blocks unmasked and take a partial last block on its own:
+    lengths that are multiples of every block size (no partial block) and lengths below one
+    block (nothing but the partial one), with a mask."""
+    _assert_matches(*_case(1, 3, T, S, 8, seed=T + S))
+
+
 @pytest.mark.parametrize("mask,H", [(None, 3), ("full", 3), ("full", 9), ("bool", 3), ("large", 3)])
 def test_masks(mask, H):
     """Per head ("full"; 9 heads: 16 padded, the key kernel's heads in two groups) or one for

@@ -178,17 +178,25 @@ def _ptxas_figures(text: str) -> Dict[str, int]:
                 static_smem=grab(r"(\d+) bytes smem"))
 
 
-def _sass_figures(sass: str) -> Dict[str, int]:
-    """Static instruction counts of one kernel's machine code (``cuobjdump -sass``): all of
-    them (``sass``) and those inside its loops (``sass_loop``; a loop runs from a backward
-    branch's target to the branch, 16 bytes an instruction; the kernels nest no loops)."""
-    ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loop = 0
+def _loops(ins: Sequence[tuple]) -> List[tuple]:
+    """(first, last) addresses of each loop of a disassembly's ``(address, text)``
+    instructions, in address order: a loop runs from a backward branch's target to the
+    branch (the kernels nest no loops)."""
+    spans = []
     for addr, text in ins:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            loop += (addr - int(m.group(1), 16)) // 16 + 1
-    return dict(sass=len(ins), sass_loop=loop)
+            spans.append((int(m.group(1), 16), addr))
+    return sorted(spans)
+
+
+def _sass_figures(sass: str) -> Dict:
+    """Static instruction counts of one kernel's machine code (``cuobjdump -sass``): all of
+    them (``sass``), those inside its loops (``sass_loop``) and each loop's (``loops``, in
+    address order; 16 bytes an instruction)."""
+    ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(last - first) // 16 + 1 for first, last in _loops(ins)]
+    return dict(sass=len(ins), sass_loop=sum(loops), loops=loops)
 
 
 def _specialize(backend, arg):
@@ -279,7 +287,8 @@ def compile_variant(v: Variant) -> Dict:
 
 def loop_lines(v: Variant) -> List[Dict]:
     """Where ``v``'s loop instructions come from: per source line of the kernels (the
-    innermost one ptxas's line table names), its instructions inside the loops and the most
+    innermost one ptxas's line table names), its instructions inside the loops over whole
+    blocks (a block's visit of each pass; not the last, partial block's loops) and the most
     frequent opcodes, most first. The "measure why" of an issue time (nvdisasm's line info)."""
     with tempfile.TemporaryDirectory() as tmp:
         _, cubin = _assemble(v, _compile(v).asm["ptx"], tmp, "-lineinfo")
@@ -296,8 +305,9 @@ def loop_lines(v: Variant) -> List[Dict]:
             labels.update({lab: addr for lab in pending})
             pending = []
             ins.append((addr, m.group(2).strip(), where))
-    spans = [(labels[m.group(1)], addr) for addr, text, _ in ins
-             if (m := re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), addr) < addr]
+    spans = sorted((labels[m.group(1)], addr) for addr, text, _ in ins
+                   if (m := re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), addr) < addr)
+    spans = spans[1::2]                                                 # (last block, whole blocks) pairs
     counts: Dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     for addr, text, src in ins:
         if any(a <= addr <= b for a, b in spans):
@@ -482,11 +492,18 @@ def grad_map_work(B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, fl
 def warp_instructions(row: Dict, B: int, N: int) -> float:
     """The warp instructions one launch of a compiled variant (a `compile_variant` row with
     its machine code counted) issues over B sequences of N tokens: per program its code
-    outside the loops once and its loops' once per block visited, times its warps; programs
-    per (row block, head group, sequence) as `triton_core` launches them."""
+    outside the loops once and its loops' once per block they visit, times its warps;
+    programs per (row block, head group, sequence) as `triton_core` launches them. Each
+    pass over the other axis is two loops (`triton_attention`): the last, partial block's,
+    visited once where N leaves one, then the whole blocks', visited N // block times."""
     nt, ns = -(-N // row["BT"]), -(-N // row["BS"])
-    blocks, visits = (ns, nt) if row["kernel"] == "backward_key_kernel" else (nt, ns)
-    per_program = row["sass"] - row["sass_loop"] + visits * row["sass_loop"]
+    blocks, step = (ns, row["BT"]) if row["kernel"] == "backward_key_kernel" else (nt, row["BS"])
+    passes = 1 if row["kernel"] == "backward_key_kernel" else 2
+    if len(row["loops"]) != 2 * passes:
+        raise ValueError(f"{row['kernel']}: {len(row['loops'])} loops in its machine code, expected "
+                         f"{2 * passes} (the last block, then the whole ones, per pass)")
+    visits = [int(N % step > 0), N // step] * passes
+    per_program = row["sass"] - row["sass_loop"] + sum(v * n for v, n in zip(visits, row["loops"]))
     return float(B * blocks * row["G"] * row["num_warps"] * per_program)
 
 

@@ -62,6 +62,15 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
   deterministic, no atomics, no per-query-block partial buffers. Its tiles are
   ``(keys, queries, heads)``: the key side is the one its own rows index.
 
+Whole blocks and the last one. Each pass over the other axis takes its last, partial block
+first (from ``N - N % block``; loads, stores and logits masked past the end), then the whole
+blocks, where nothing depends on the sequence's end (`_within` makes that mask a constant,
+which the compiler removes): 3-12 % fewer instructions per block (docs/performance.md). A
+kernel's step is one jit function (`_forward_block`, `_query_block`, `_key_block`) called
+from both loops. The partial block is a loop of at most one step, before the whole ones: as
+an ``if`` after them ptxas spilled 64 B (the 6-head forward) and 292 B (the 16-head query
+kernel); as a loop after them, 8 B in the 16-head query kernel for sm_80.
+
 Loads and stores of q, k, v and their gradients go through explicit strides (they may be
 views of the qkv projection); each token's H×H matrix is contiguous (`triton_core` makes it
 so), so its (g, h) offsets are constants: vector loads and no address arithmetic per
@@ -321,14 +330,26 @@ def _store_t_halves(P, off, sd, ok, acc0, acc1, D: tl.constexpr, DP: tl.constexp
 
 
 @triton.jit
-def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
+def _within(idx, n, EDGE: tl.constexpr):
+    """``idx < n`` for a block that may run past the end of its axis (EDGE), else all true:
+    a constant, so a whole block's loads, stores and logits take no mask at all."""
+    if EDGE:
+        out = idx < n
+    else:
+        out = tl.full(idx.shape, 1, tl.int1)
+    return out
+
+
+@triton.jit
+def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, MASK, smb, smh, smt, sms,
             mq1, mk1, H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
             HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
     """The logits after pre-compose and the mask, -inf at padded keys, from the scaled
     scores s0 laid out (rows, cols, heads). t, s: query and key indices, (X, 1, 1) for
     axis 0 and (Y, 1, 1) for axis 1 of the tile: axis 0 holds the queries when Q_SIDE,
-    else the keys. A mask shared by the heads (not MASK_HEADS) is loaded as one (X, Y) tile
-    and broadcast. One per head is loaded in the tile's layout, but by the key kernel where
+    else the keys. EDGE: the loop's block (axis 1) may run past its end; a whole one is not
+    masked (`_within`). A mask shared by the heads (not MASK_HEADS) is loaded as one (X, Y)
+    tile and broadcast. One per head is loaded in the tile's layout, but by the key kernel where
     `tl.dot` takes 8-row sides (3.5 on) as (heads, queries, keys) and permuted: in the
     tile's layout it spilled 8-16 B at 16 heads under 3.5 and 3.6, permuted under 3.4
     8-16 B at 3 and 6 heads (docs/performance.md)."""
@@ -336,27 +357,65 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, MASK, smb, smh, smt, sms,
     h = tl.arange(0, HP)[None, None, :]
     if Q_SIDE:
         tq, sk = t, tl.permute(s, (1, 0, 2))                         # (X, 1, 1), (1, Y, 1)
+        t_ok, s_ok = tq < T, _within(sk, S, EDGE)
         if HAS_PRE:
             x = _compose(s0, mq1, True, mk1, HAS_MK1, False, 0, HP, MIX, DOT_MN, DOT_K)
     else:
         tq, sk = tl.permute(t, (1, 0, 2)), s
+        t_ok, s_ok = _within(tq, T, EDGE), sk < S
         if HAS_PRE:
             x = _compose(s0, mk1, HAS_MK1, mq1, True, False, 0, HP, MIX, DOT_MN, DOT_K)
     if HAS_MASK:
         if not MASK_HEADS:
-            m = tl.load(MASK + b * smb + tq * smt + sk * sms, mask=(tq < T) & (sk < S), other=0.0)
+            m = tl.load(MASK + b * smb + tq * smt + sk * sms, mask=t_ok & s_ok, other=0.0)
             m = m.to(tl.float32)
             if HP > H:                                              # padded heads stay finite
                 m = tl.where(h < H, m, 0.0)
             x += m
         elif Q_SIDE or DOT_MN > 8:
             x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
-                         mask=(h < H) & (tq < T) & (sk < S), other=0.0).to(tl.float32)
+                         mask=(h < H) & t_ok & s_ok, other=0.0).to(tl.float32)
         else:
             hk, sq = _t(h), _t(sk)                                  # (HP, 1, 1), (1, 1, Y)
             x += _t(tl.load(MASK + b * smb + hk * smh + tq * smt + sq * sms,
-                            mask=(hk < H) & (tq < T) & (sq < S), other=0.0).to(tl.float32))
-    return tl.where(sk < S, x, float("-inf"))
+                            mask=(hk < H) & t_ok & (sq < S), other=0.0).to(tl.float32))
+    return tl.where(s_ok, x, float("-inf"))
+
+
+@triton.jit
+def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, t, hh, hm, hg, gm, dc, h0,
+                   qt0, qt1, mq1, mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms,
+                   b1n, b2n, T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                   BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
+                   HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr, HAS_MK2: tl.constexpr,
+                   PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                   FAST_EXP: tl.constexpr):
+    """The forward over the BS keys from ``start``. Pass 1 (not OUT): state (m_i, l_i), the
+    running row statistics; pass 2 (OUT): state, Oᵀ's accumulator. K, V, MK1, MK2 point at
+    the sequence. EDGE: the block may run past S (the last one); else nothing is masked."""
+    sr = start + tl.arange(0, BS)[None, :, None]
+    s = start + tl.arange(0, BS)[:, None, None]
+    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), H, HP)    # the keys' matrices
+    if OUT:
+        mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), H, HP)
+    x = _logits(_t(_dot_by_halves(K, hh * skh + sr * sks, skd, hm & _within(sr, S, EDGE), qt0, qt1, D, DP,
+                                  PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
+                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
+    if OUT:
+        p = _exp(x, lse[:, None, :], FAST_EXP)
+        if HAS_POST:
+            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K)
+        else:
+            p = _group(p, h0, HG)
+        sc = start + tl.arange(0, BS)[None, None, :]
+        vt = tl.load(V + hg * svh + sc * svs + dc * svd, mask=gm & _within(sc, S, EDGE) & (dc < D), other=0.0)
+        out = _mm(vt, _t(p).to(V.dtype.element_ty), state, PRECISION, DOT_MN, 1)
+    else:
+        m_i, l_i = state
+        m_new = tl.maximum(m_i, tl.max(x, axis=1))
+        l_i = l_i * _exp(m_i, m_new, FAST_EXP) + tl.sum(_exp(x, m_new[:, None, :], FAST_EXP), axis=1)
+        out = (m_new, l_i)
+    return out
 
 
 @triton.jit
@@ -373,7 +432,8 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    FAST_EXP: tl.constexpr):
     """One block of BT queries and one group of HP/G heads (program_id 2): their rows of
     O (B, T, H, D) and LSE (B, H, T). The scores of all heads are computed (Compose mixes
-    them); only the group's output columns are post-composed and accumulated."""
+    them); only the group's output columns are post-composed and accumulated. Each pass
+    runs over the whole key blocks unmasked, then the last, partial one (`_forward_block`)."""
     HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
     h0 = 0                                                                  # the group's first head
@@ -389,44 +449,97 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     h2 = tl.arange(0, HP)[None, :]
     mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
     mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
+    hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
+    gm = hg < H
+    K += b * skb
+    V += b * svb
+    MK1 += b * b1b
+    MK2 += b * b2b
+    whole = S - S % BS                                                      # keys in whole blocks: unmasked
 
-    m_i = tl.full((BT, HP), -1e30, tl.float32)
-    l_i = tl.zeros((BT, HP), tl.float32)
-    for start in range(0, S, BS):                                           # pass 1: row statistics
-        sr = start + tl.arange(0, BS)[None, :, None]
-        s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-        x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                                   PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
-        m_new = tl.maximum(m_i, tl.max(x, axis=1))
-        l_i = l_i * _exp(m_i, m_new, FAST_EXP) + tl.sum(_exp(x, m_new[:, None, :], FAST_EXP), axis=1)
-        m_i = m_new
+    stats = (tl.full((BT, HP), -1e30, tl.float32), tl.zeros((BT, HP), tl.float32))
+    for last in range(whole, S, BS):                                        # pass 1: row statistics
+        stats = _forward_block(last, True, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
+                               K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
+                               T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                               HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    for start in range(0, whole, BS):
+        stats = _forward_block(start, False, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
+                               K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
+                               T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                               HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    m_i, l_i = stats
     lse = m_i + tl.log(l_i)
     t2 = t_idx[:, None]
     tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
 
-    hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
-    gm = hg < H
     acc = tl.zeros((HG, DP, BT), tl.float32)                                # Oᵀ
-    for start in range(0, S, BS):                                           # pass 2: output
-        sr = start + tl.arange(0, BS)[None, :, None]
-        s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-        mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
-        x = _logits(_t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                                   PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
-        p = _exp(x, lse[:, None, :], FAST_EXP)
-        if HAS_POST:
-            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K)
-        else:
-            p = _group(p, h0, HG)
-        sc = start + tl.arange(0, BS)[None, None, :]
-        vt = tl.load(V + b * svb + hg * svh + sc * svs + dc * svd, mask=gm & (sc < S) & (dc < D), other=0.0)
-        acc = _mm(vt, _t(p).to(V.dtype.element_ty), acc, PRECISION, DOT_MN, 1)
+    for last in range(whole, S, BS):                                        # pass 2: output
+        acc = _forward_block(last, True, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
+                             K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
+                             T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                             HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    for start in range(0, whole, BS):
+        acc = _forward_block(start, False, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
+                             K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
+                             T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                             HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     tl.store(O + b * sob + hg * soh + tc * sot + dc * sod, acc.to(O.dtype.element_ty),
              mask=gm & (tc < T) & (dc < D))
+
+
+@triton.jit
+def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0,
+                 qt0, qt1, dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd,
+                 srh, srt, srs, smb, smh, smt, sms, b1n, b2n, T, S, scale, H: tl.constexpr, D: tl.constexpr,
+                 HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr,
+                 MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                 HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr, DS_MAP: tl.constexpr,
+                 PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                 FAST_EXP: tl.constexpr):
+    """The query kernel over the BS keys from ``start``. Pass 1 (not GRAD): state (delta,
+    dMq2); pass 2 (GRAD): state (dqᵀ's halves, dMq1ᵀ), or with DS_MAP the block's ds written.
+    K, V, DS, MK1, MK2 point at the sequence. EDGE: the block may run past S (the last one);
+    else nothing is masked."""
+    sr = start + tl.arange(0, BS)[None, :, None]
+    s = start + tl.arange(0, BS)[:, None, None]
+    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), H, HP)    # the keys' matrices
+    mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), H, HP)
+    s0 = _t(_dot_by_halves(K, hh * skh + sr * sks, skd, hm & _within(sr, S, EDGE), qt0, qt1, D, DP,
+                           PRECISION, DOT_MN)) * scale
+    x = _logits(s0, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
+                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+    if not GRAD:
+        p = _exp(x, lse[:, None, :], FAST_EXP)
+    dp = _t(_dot_by_halves(V, hh * svh + sr * svs, svd, hm & _within(sr, S, EDGE), dot0, dot1, D, DP,
+                           PRECISION, DOT_MN))                               # dL/dp2 (BT, BS, HP)
+    if not GRAD:
+        delta, dm2 = state
+        if HAS_POST:
+            if WANT_DMQ2:
+                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
+        out = (delta + tl.sum(p * dp, axis=1), dm2)
+    else:
+        dqt0, dqt1, dm1t = state
+        if HAS_POST:
+            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
+        ds = _exp(x, lse[:, None, :], FAST_EXP) * (dp - delta[:, None, :])        # dL/ds1
+        if HAS_PRE:
+            if WANT_DMQ1:
+                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
+            ds = _compose(ds, mq1, True, mk1, HAS_MK1, True, h0, HG, MIX, DOT_MN, DOT_K)
+        else:
+            ds = _group(ds, h0, HG)
+        sc = start + tl.arange(0, BS)[None, None, :]
+        ds = _t(ds).to(K.dtype.element_ty)                                  # (heads, keys, queries)
+        if DS_MAP:                                                          # dq, dk: products outside
+            tl.store(DS + hg * srh + sr * srs + tc * srt, ds, mask=gm & _within(sr, S, EDGE) & (tc < T))
+        else:
+            dqt0, dqt1 = _acc_by_halves(dqt0, dqt1, K, hg * skh + sc * sks, skd, gm & _within(sc, S, EDGE),
+                                        ds, D, DP, PRECISION, DOT_MN)
+        out = (dqt0, dqt1, dm1t)
+    return out
 
 
 @triton.jit
@@ -445,7 +558,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     """One block of BT queries and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
     and dq (B, H, T, D) of those heads (with DS_MAP the scores' gradient DS (B, H, T, S)
     instead, in the operands' dtype), and the per-query matrix gradients dMq1[t, h, :],
-    dMq2[t, :, h] (B, T, H, H)."""
+    dMq2[t, :, h] (B, T, H, H). Each pass runs over the whole key blocks unmasked, then the
+    last, partial one (`_query_block`)."""
     HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
     h0 = 0                                                                  # the group's first head
@@ -464,67 +578,104 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
     mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
     lse = tl.load(LSE + stat, mask=(h2 < H) & (t2 < T), other=0.0)
+    hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
+    gm = hg < H
+    K += b * skb
+    V += b * svb
+    DS += b * srb
+    MK1 += b * b1b
+    MK2 += b * b2b
+    whole = S - S % BS                                                      # keys in whole blocks: unmasked
 
-    delta = tl.zeros((BT, HP), tl.float32)
-    dm2 = tl.zeros((BT, HP, HG), tl.float32)
-    for start in range(0, S, BS):                                           # pass 1: delta, dMq2
-        sr = start + tl.arange(0, BS)[None, :, None]
-        s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-        mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
-        s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                               PRECISION, DOT_MN)) * scale
-        x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
-        p = _exp(x, lse[:, None, :], FAST_EXP)
-        dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
-                               PRECISION, DOT_MN))                           # dL/dp2 (BT, BS, HP)
-        if HAS_POST:
-            if WANT_DMQ2:
-                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
-        delta += tl.sum(p * dp, axis=1)
+    state = (tl.zeros((BT, HP), tl.float32), tl.zeros((BT, HP, HG), tl.float32))   # delta, dMq2
+    for last in range(whole, S, BS):                                        # pass 1: delta, dMq2
+        state = _query_block(last, True, False, state, lse, 0, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
+                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
+                             DOT_MN, DOT_K, FAST_EXP)
+    for start in range(0, whole, BS):
+        state = _query_block(start, False, False, state, lse, 0, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
+                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
+                             DOT_MN, DOT_K, FAST_EXP)
+    delta, dm2 = state
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
     if WANT_DMQ2:                                                           # stored now: not live in pass 2
         _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H)
 
-    hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
-    gm = hg < H
     DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dqᵀ by halves of D
-    dqt0 = tl.zeros((HG, DH, BT), tl.float32)                               # dqᵀ, dMq1ᵀ: 8 queries, heads
-    dqt1 = tl.zeros((HG, DH, BT), tl.float32)
-    dm1t = tl.zeros((BT, HP, HG), tl.float32)                               # as a product's columns
-    for start in range(0, S, BS):                                           # pass 2: dq, dMq1
-        sr = start + tl.arange(0, BS)[None, :, None]
-        s = start + tl.arange(0, BS)[:, None, None]
-        mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-        mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
-        s0 = _t(_dot_by_halves(K + b * skb, hh * skh + sr * sks, skd, hm & (sr < S), qt0, qt1, D, DP,
-                               PRECISION, DOT_MN)) * scale
-        x = _logits(s0, b, t, s, T, S, True, MASK, smb, smh, smt, sms,
-                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
-        dp = _t(_dot_by_halves(V + b * svb, hh * svh + sr * svs, svd, hm & (sr < S), dot0, dot1, D, DP,
-                               PRECISION, DOT_MN))
-        if HAS_POST:
-            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
-        ds = _exp(x, lse[:, None, :], FAST_EXP) * (dp - delta[:, None, :])        # dL/ds1
-        if HAS_PRE:
-            if WANT_DMQ1:
-                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-            ds = _compose(ds, mq1, True, mk1, HAS_MK1, True, h0, HG, MIX, DOT_MN, DOT_K)
-        else:
-            ds = _group(ds, h0, HG)
-        sc = start + tl.arange(0, BS)[None, None, :]
-        ds = _t(ds).to(K.dtype.element_ty)                                  # (heads, keys, queries)
-        if DS_MAP:                                                          # dq, dk: products outside
-            tl.store(DS + b * srb + hg * srh + sr * srs + tc * srt, ds, mask=gm & (sr < S) & (tc < T))
-        else:
-            dqt0, dqt1 = _acc_by_halves(dqt0, dqt1, K + b * skb, hg * skh + sc * sks, skd, gm & (sc < S),
-                                        ds, D, DP, PRECISION, DOT_MN)
+    state = (tl.zeros((HG, DH, BT), tl.float32), tl.zeros((HG, DH, BT), tl.float32),   # dqᵀ, dMq1ᵀ: 8 queries,
+             tl.zeros((BT, HP, HG), tl.float32))                                       # heads as columns
+    for last in range(whole, S, BS):                                        # pass 2: dq, dMq1
+        state = _query_block(last, True, True, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
+                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
+                             DOT_MN, DOT_K, FAST_EXP)
+    for start in range(0, whole, BS):
+        state = _query_block(start, False, True, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
+                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
+                             DOT_MN, DOT_K, FAST_EXP)
+    dqt0, dqt1, dm1t = state
     if not DS_MAP:
         _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:
         _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)), b, t_idx, T, h0, 0, H)
+
+
+@triton.jit
+def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
+               Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms, a1n, a2n,
+               T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
+               HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr,
+               HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr, HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr,
+               WANT_DMK2: tl.constexpr, DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr,
+               DOT_MN: tl.constexpr, DOT_K: tl.constexpr, FAST_EXP: tl.constexpr):
+    """The key kernel over the BT queries from ``start``: state (dkᵀ's and dvᵀ's halves,
+    dMk1ᵀ, dMk2). Q, DO, MQ1, MQ2 point at the sequence. EDGE: the block may run past T
+    (the last one); else its loads are unmasked."""
+    dkt0, dkt1, dvt0, dvt1, dm1t, dm2 = state
+    tr = start + tl.arange(0, BT)[None, :, None]
+    t = start + tl.arange(0, BT)[:, None, None]
+    mq1 = _matrices(HAS_PRE, MQ1, t, a1n, _within(t, T, EDGE), H, HP)               # the queries' matrices
+    mq2 = _matrices(HAS_POST, MQ2, t, a2n, _within(t, T, EDGE), H, HP)
+    s0 = _t(_dot_by_halves(Q, hh * sqh + tr * sqt, sqd, hm & _within(tr, T, EDGE), kt0, kt1, D, DP,
+                           PRECISION, DOT_MN)) * scale
+    x = _logits(s0, b, t, s, T, S, False, EDGE, MASK, smb, smh, smt, sms,
+                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
+    stat = (b * H + h3) * T + tr
+    p = _exp(x, tl.load(LSE + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0), FAST_EXP)
+    if EDGE:
+        p = tl.where(tr < T, p, 0.0)
+    tc = start + tl.arange(0, BT)[None, None, :]
+    if HAS_POST:                                                        # dv first: p2 dies here
+        p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K)
+    else:
+        p2 = _group(p, h0, HG)
+    dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO, hg * sgh + tc * sgt, sgd, gm & _within(tc, T, EDGE),
+                                _t(p2).to(DO.dtype.element_ty), D, DP, PRECISION, DOT_MN)
+    dp = _t(_dot_by_halves(DO, hh * sgh + tr * sgt, sgd, hm & _within(tr, T, EDGE), vt0, vt1, D, DP,
+                           PRECISION, DOT_MN))                           # dL/dp2 (BS, BT, HP)
+    if HAS_POST:
+        if WANT_DMK2:
+            dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
+        dp = _compose(dp, mk2, HAS_MK2, mq2, True, True, 0, HP, MIX, DOT_MN, DOT_K)
+    ds = p * (dp - tl.load(DELTA + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0))
+    if HAS_PRE:
+        if WANT_DMK1:
+            dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
+    if not DS_MAP:
+        if HAS_PRE:
+            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K)
+        else:
+            ds = _group(ds, h0, HG)
+        dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q, hg * sqh + tc * sqt, sqd, gm & _within(tc, T, EDGE),
+                                    _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION, DOT_MN)
+    return dkt0, dkt1, dvt0, dvt1, dm1t, dm2
 
 
 @triton.jit
@@ -543,7 +694,8 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     """One block of BS keys and one group of HP/G heads h (program_id 2), over every query
     block: dk (not with DS_MAP), dv (B, H, S, D) (the same strides) of those heads and the
     key-side matrix gradients dMk1[s, h, :], dMk2[s, :, h] (B, S, H, H). Compose tiles are
-    (keys, queries, heads)."""
+    (keys, queries, heads). The whole query blocks run unmasked, then the last, partial one
+    (`_key_block`)."""
     HG: tl.constexpr = HP // G
     b = tl.program_id(1).to(tl.int64)
     h0 = 0                                                                  # the group's first head
@@ -561,48 +713,26 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     sc = s_idx[None, None, :]
     kt0, kt1 = _load_t_halves(K + b * skb, hh * skh + sc * sks, skd, hm & (sc < S), D, DP)
     vt0, vt1 = _load_t_halves(V + b * svb, hh * svh + sc * svs, svd, hm & (sc < S), D, DP)
+    Q += b * sqb
+    DO += b * sgb
+    MQ1 += b * a1b
+    MQ2 += b * a2b
+    whole = T - T % BT                                                      # queries in whole blocks: unmasked
     DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dkᵀ, dvᵀ by halves of D:
-    dkt0 = tl.zeros((HG, DH, BS), tl.float32)                               # 8 keys fill a tensor-core
-    dkt1 = tl.zeros((HG, DH, BS), tl.float32)                               # product's columns
-    dvt0 = tl.zeros((HG, DH, BS), tl.float32)
-    dvt1 = tl.zeros((HG, DH, BS), tl.float32)
-    dm1t = tl.zeros((BS, HP, HG), tl.float32)                               # dMk1ᵀ: 8 heads as columns
-    dm2 = tl.zeros((BS, HP, HG), tl.float32)
-    for start in range(0, T, BT):
-        tr = start + tl.arange(0, BT)[None, :, None]
-        t = start + tl.arange(0, BT)[:, None, None]
-        mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
-        mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
-        s0 = _t(_dot_by_halves(Q + b * sqb, hh * sqh + tr * sqt, sqd, hm & (tr < T), kt0, kt1, D, DP,
-                               PRECISION, DOT_MN)) * scale
-        x = _logits(s0, b, t, s, T, S, False, MASK, smb, smh, smt, sms,
-                    mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
-        stat = (b * H + h3) * T + tr
-        p = tl.where(tr < T, _exp(x, tl.load(LSE + stat, mask=(h3 < H) & (tr < T), other=0.0), FAST_EXP), 0.0)
-        tc = start + tl.arange(0, BT)[None, None, :]
-        if HAS_POST:                                                        # dv first: p2 dies here
-            p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K)
-        else:
-            p2 = _group(p, h0, HG)
-        dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO + b * sgb, hg * sgh + tc * sgt, sgd, gm & (tc < T),
-                                    _t(p2).to(DO.dtype.element_ty), D, DP, PRECISION, DOT_MN)
-        dp = _t(_dot_by_halves(DO + b * sgb, hh * sgh + tr * sgt, sgd, hm & (tr < T), vt0, vt1, D, DP,
-                               PRECISION, DOT_MN))                           # dL/dp2 (BS, BT, HP)
-        if HAS_POST:
-            if WANT_DMK2:
-                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, mk2, HAS_MK2, mq2, True, True, 0, HP, MIX, DOT_MN, DOT_K)
-        ds = p * (dp - tl.load(DELTA + stat, mask=(h3 < H) & (tr < T), other=0.0))
-        if HAS_PRE:
-            if WANT_DMK1:
-                dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-        if not DS_MAP:
-            if HAS_PRE:
-                ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K)
-            else:
-                ds = _group(ds, h0, HG)
-            dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q + b * sqb, hg * sqh + tc * sqt, sqd, gm & (tc < T),
-                                        _t(ds).to(Q.dtype.element_ty), D, DP, PRECISION, DOT_MN)
+    state = (tl.zeros((HG, DH, BS), tl.float32), tl.zeros((HG, DH, BS), tl.float32),   # 8 keys fill a tensor-core
+             tl.zeros((HG, DH, BS), tl.float32), tl.zeros((HG, DH, BS), tl.float32),   # product's columns;
+             tl.zeros((BS, HP, HG), tl.float32), tl.zeros((BS, HP, HG), tl.float32))   # dMk1ᵀ: 8 heads as columns
+    for last in range(whole, T, BT):                                        # the last, partial block first
+        state = _key_block(last, True, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
+                           Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms,
+                           a1n, a2n, T, S, scale, H, D, HP, DP, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                           HAS_POST, HAS_MK2, WANT_DMK1, WANT_DMK2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    for start in range(0, whole, BT):
+        state = _key_block(start, False, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
+                           Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms,
+                           a1n, a2n, T, S, scale, H, D, HP, DP, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                           HAS_POST, HAS_MK2, WANT_DMK1, WANT_DMK2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    dkt0, dkt1, dvt0, dvt1, dm1t, dm2 = state
     out = b * sdb + hg * sdh + sc * sds
     if not DS_MAP:
         _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
