@@ -83,8 +83,10 @@ def _kernel_times(out: Path, figures: List[Dict[str, Any]]) -> List[Dict[str, An
             if est is None:
                 k = model["kernels"]
                 products = model.get("products") or {}
-                est = {"forward": k["fwd"]["estimate"],
-                       "backward": k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + products.get("estimate", 0.0),
+                pad = (model.get("padding") or {}).get("estimate", 0.0)
+                est = {"forward": k["fwd"]["estimate"] + pad,
+                       "backward": (k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + products.get("estimate", 0.0)
+                                    + pad),
                        "sdpa_forward": model["sdpa"]["forward"]["estimate"],
                        "sdpa_backward": model["sdpa"]["backward"]["estimate"]}[name]
             rows.append({"model": label, "what": name + " ms", "estimate": est,

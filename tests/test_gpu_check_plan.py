@@ -82,7 +82,25 @@ def test_the_score_gradient_map_is_priced_where_it_is_used(estimate):
     assert base["kernels"]["bwd_q"]["bytes"] == 4 * tok * D * 2 + 2 * tok * 4 + 6 * tok * H * 4 + nmap
     assert kernels.backward_estimate(base) == pytest.approx(
         base["kernels"]["bwd_q"]["estimate"] + base["kernels"]["bwd_k"]["estimate"] + base["products"]["estimate"])
-    assert kernels.backward_estimate(small) == small["kernels"]["bwd_q"]["estimate"] + small["kernels"]["bwd_k"]["estimate"]
+    assert kernels.backward_estimate(small) == pytest.approx(
+        small["kernels"]["bwd_q"]["estimate"] + small["kernels"]["bwd_k"]["estimate"] + small["padding"]["estimate"])
+
+
+def test_the_matrices_padded_copy_is_priced_where_it_is_made(estimate):
+    """At 3-7 heads (S/16) the four matrices are copied zero-padded to 8×8 per token
+    (`triton_core.pads_matrices`) in the forward and again in the backward: read as H×H and
+    written as 8×8 float32, memory-bound; both passes' estimates and the layers' cores include
+    it. B/16 (12 heads) takes its matrices as they are."""
+    from dcvit.bench import kernels
+    small, base = estimate["models"]["S/16"], estimate["models"]["B/16"]
+    assert base["padding"] is None
+    B, H, N = estimate["batch"], small["heads"], small["tokens"]
+    pad = small["padding"]
+    assert pad["bytes"] == 4 * 4 * B * N * (H * H + 8 * 8)
+    assert pad["estimate"] == pytest.approx(pad["bytes"] / estimate["gpu"]["hbm"] * 1e3)
+    assert kernels.forward_estimate(small) == pytest.approx(small["kernels"]["fwd"]["estimate"] + pad["estimate"])
+    total = kernels.forward_estimate(small) + kernels.backward_estimate(small)
+    assert small["core_ms"]["dcvit"] == pytest.approx(small["depth"] * total)
 
 
 def test_cuda_plan_fits_500_s_from_the_estimate_most_valuable_first(planner, step_ms):

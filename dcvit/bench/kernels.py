@@ -489,6 +489,14 @@ def grad_map_work(B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, fl
                 bytes=2 * B * H * N * N * half + 4 * B * N * H * D * half)
 
 
+def padding_work(B: int, H: int, N: int, matrices: int = 4) -> Dict[str, float]:
+    """The four Compose matrices copied zero-padded to HP×HP per token
+    (`triton_core.pads_matrices`), once in the forward and once in the backward: each read
+    (H×H float32) and written (HP×HP) once."""
+    from dcvit.kernels.triton_core import _padded_heads
+    return dict(bf16=0, tf32=0, fp32=0, exp=0, bytes=matrices * 4 * B * N * (H * H + _padded_heads(H) ** 2))
+
+
 def warp_instructions(row: Dict, B: int, N: int) -> float:
     """The warp instructions one launch of a compiled variant (a `compile_variant` row with
     its machine code counted) issues over B sequences of N tokens: per program its code
@@ -594,7 +602,7 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from dcvit.accounting import analytic_macs
-    from dcvit.kernels.triton_core import score_grad_map
+    from dcvit.kernels.triton_core import pads_matrices, score_grad_map
     tri = triton_module()
     nets = {label: (timm.create_model(dc_name), timm.create_model(vit_name))
             for label, (dc_name, vit_name) in MODELS.items()}
@@ -619,7 +627,11 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
         if score_grad_map(H):
             products = grad_map_work(batch, H, N, D)
             products.update(roofline_ms(products))
-        extra = products["estimate"] if products else 0.0
+        padding = None                                  # in each direction, memory-bound
+        if pads_matrices(H):
+            padding = padding_work(batch, H, N)
+            padding.update(roofline_ms(padding))
+        extra = (products["estimate"] if products else 0.0) + (2 * padding["estimate"] if padding else 0.0)
         sdpa = sdpa_work(batch, H, N, D)
         for w in sdpa.values():
             w.update(roofline_ms(w))
@@ -639,7 +651,8 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
         step_dc, step_vit = dense_ms["dcvit"] + core_dc, dense_ms["vit"] + core_vit
         out["models"][label] = dict(
             dcvit=dc_name, vit=vit_name, heads=H, head_dim=D, tokens=N, depth=depth,
-            kernels=kernels, products=products, sdpa=sdpa, compile_core=other, dense_ms=dense_ms,
+            kernels=kernels, products=products, padding=padding, sdpa=sdpa, compile_core=other,
+            dense_ms=dense_ms,
             core_ms=dict(dcvit=core_dc, vit=core_vit, compile=core_other),
             step_ms=dict(dcvit=step_dc, vit=step_vit, compile=dense_ms["dcvit"] + core_other),
             train_ratio=step_vit / step_dc, train_ratio_compile=step_vit / (dense_ms["dcvit"] + core_other),
@@ -662,6 +675,7 @@ def estimate_table(est: Dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in est["models"].items():
         rows = (list(m["kernels"].items()) + ([("dq, dk products", m["products"])] if m.get("products") else [])
+                + ([("matrices padded (each pass)", m["padding"])] if m.get("padding") else [])
                 + [(f"SDPA {k}", w) for k, w in m["sdpa"].items()]
                 + [(f"`compile` core {k}", w) for k, w in m["compile_core"].items()])
         for name, w in rows:
@@ -683,11 +697,24 @@ def estimate_table(est: Dict) -> str:
     return "\n".join(lines)
 
 
+def _padding_ms(model: Dict) -> float:
+    """The matrices' padded copy in one direction (`padding_work`), or 0."""
+    return model["padding"]["estimate"] if model.get("padding") else 0.0
+
+
+def forward_estimate(model: Dict) -> float:
+    """One layer's forward in ms as `estimate` gives it: the kernel and, where the matrices
+    are padded, their copy."""
+    return model["kernels"]["fwd"]["estimate"] + _padding_ms(model)
+
+
 def backward_estimate(model: Dict) -> float:
-    """One layer's backward in ms as `estimate` gives it: the two kernels and, where the
-    score-gradient map is used, the products that give dq and dk."""
+    """One layer's backward in ms as `estimate` gives it: the two kernels, where the
+    score-gradient map is used the products that give dq and dk, and where the matrices are
+    padded their copy."""
     k, products = model["kernels"], model.get("products")
-    return k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + (products["estimate"] if products else 0.0)
+    return (k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + (products["estimate"] if products else 0.0)
+            + _padding_ms(model))
 
 
 def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:
@@ -717,7 +744,7 @@ def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:
         s_all = do_bench(lambda: torch.autograd.grad(F.scaled_dot_product_attention(qs, ks, vs), (qs, ks, vs), gy),
                          rep=steps * 10)
         ker = m["kernels"]
-        out[label] = {"forward": dict(estimate=ker["fwd"]["estimate"], measured=fwd),
+        out[label] = {"forward": dict(estimate=forward_estimate(m), measured=fwd),
                       "backward": dict(estimate=backward_estimate(m), measured=bwd),
                       "sdpa_forward": dict(estimate=m["sdpa"]["forward"]["estimate"], measured=s_fwd),
                       "sdpa_backward": dict(estimate=m["sdpa"]["backward"]["estimate"], measured=s_all - s_fwd),

@@ -189,16 +189,20 @@ def _t(x):
 
 
 @triton.jit
-def _matrices(HAS: tl.constexpr, M, rows, n_stride, rows_ok, H: tl.constexpr, HP: tl.constexpr):
+def _matrices(HAS: tl.constexpr, M, rows, n_stride, rows_ok, MH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr):
     """The H×H matrices of the tokens on a tile's axis (rows: their indices, (X, 1, 1)) as an
     (X, HP, HP) float32 tile ``m[x, g, h]``, zero-padded; where the stage or side is absent
-    (not HAS), nothing to load (0). Each token's matrix is contiguous (row stride H: constant
-    offsets, vector loads). Loaded once per block: a stage and its backward take the same
-    tile, the latter transposed in registers (`_mix`)."""
+    (not HAS), nothing to load (0). Each token's matrix is contiguous, rows of MH: H, or HP
+    where `triton_core` padded them with zeros (no mask on the heads, whole vector loads).
+    Loaded once per block: a stage and its backward take the same tile, the latter
+    transposed in registers (`_mix`)."""
     if HAS:
         g = tl.arange(0, HP)[None, :, None]
         h = tl.arange(0, HP)[None, None, :]
-        out = tl.load(M + rows * n_stride + g * H + h, mask=rows_ok & (g < H) & (h < H), other=0.0)
+        if MH == HP:
+            out = tl.load(M + rows * n_stride + g * MH + h, mask=rows_ok, other=0.0)
+        else:
+            out = tl.load(M + rows * n_stride + g * MH + h, mask=rows_ok & (g < H) & (h < H), other=0.0)
     else:
         out = 0
     return out
@@ -386,6 +390,7 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, MASK, s
 def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, t, hh, hm, hg, gm, dc, h0,
                    qt0, qt1, mq1, mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms,
                    b1n, b2n, T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                   MH: tl.constexpr,
                    BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
                    HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr, HAS_MK2: tl.constexpr,
                    PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
@@ -395,9 +400,9 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
     the sequence. EDGE: the block may run past S (the last one); else nothing is masked."""
     sr = start + tl.arange(0, BS)[None, :, None]
     s = start + tl.arange(0, BS)[:, None, None]
-    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), H, HP)    # the keys' matrices
+    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), MH, H, HP)    # the keys' matrices
     if OUT:
-        mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), H, HP)
+        mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), MH, H, HP)
     x = _logits(_t(_dot_by_halves(K, hh * skh + sr * sks, skd, hm & _within(sr, S, EDGE), qt0, qt1, D, DP,
                                   PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
                 mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
@@ -425,7 +430,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    a1b, a1n, b1b, b1n,
                    a2b, a2n, b2b, b2n,
                    T, S, scale,
-                   H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                   H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
                    BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                    MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                    HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
@@ -447,8 +452,8 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     qt0, qt1 = _load_t_halves(Q + b * sqb, hh * sqh + tc * sqt, sqd, hm & (tc < T), D, DP)
     t = t_idx[:, None, None]                                                # (tokens, ., heads) tiles
     h2 = tl.arange(0, HP)[None, :]
-    mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
-    mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
+    mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, MH, H, HP)               # the queries' matrices
+    mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, MH, H, HP)
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
     K += b * skb
@@ -461,12 +466,12 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     for last in range(whole, S, BS):                                        # pass 1: row statistics
         stats = _forward_block(last, True, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
                                K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                               T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                               T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
                                HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     for start in range(0, whole, BS):
         stats = _forward_block(start, False, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
                                K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                               T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                               T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
                                HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     m_i, l_i = stats
     lse = m_i + tl.log(l_i)
@@ -477,12 +482,12 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     for last in range(whole, S, BS):                                        # pass 2: output
         acc = _forward_block(last, True, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
                              K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                             T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                             T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
                              HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     for start in range(0, whole, BS):
         acc = _forward_block(start, False, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
                              K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                             T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                             T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
                              HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     tl.store(O + b * sob + hg * soh + tc * sot + dc * sod, acc.to(O.dtype.element_ty),
              mask=gm & (tc < T) & (dc < D))
@@ -492,7 +497,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
 def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0,
                  qt0, qt1, dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd,
                  srh, srt, srs, smb, smh, smt, sms, b1n, b2n, T, S, scale, H: tl.constexpr, D: tl.constexpr,
-                 HP: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr,
+                 HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr, BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr,
                  MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                  HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr, DS_MAP: tl.constexpr,
                  PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
@@ -503,8 +508,8 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
     else nothing is masked."""
     sr = start + tl.arange(0, BS)[None, :, None]
     s = start + tl.arange(0, BS)[:, None, None]
-    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), H, HP)    # the keys' matrices
-    mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), H, HP)
+    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), MH, H, HP)    # the keys' matrices
+    mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), MH, H, HP)
     s0 = _t(_dot_by_halves(K, hh * skh + sr * sks, skd, hm & _within(sr, S, EDGE), qt0, qt1, D, DP,
                            PRECISION, DOT_MN)) * scale
     x = _logits(s0, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
@@ -549,7 +554,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
                           a1b, a1n, b1b, b1n,
                           a2b, a2n, b2b, b2n,
                           T, S, scale,
-                          H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                          H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
                           BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                           MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                           HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
@@ -575,8 +580,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     t2 = t_idx[:, None]
     h2 = tl.arange(0, HP)[None, :]
     stat = (b * H + h2) * T + t2                                            # (BT, HP)
-    mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, H, HP)               # the queries' matrices
-    mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, H, HP)
+    mq1 = _matrices(HAS_PRE, MQ1 + b * a1b, t, a1n, t < T, MH, H, HP)               # the queries' matrices
+    mq2 = _matrices(HAS_POST, MQ2 + b * a2b, t, a2n, t < T, MH, H, HP)
     lse = tl.load(LSE + stat, mask=(h2 < H) & (t2 < T), other=0.0)
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
@@ -591,13 +596,13 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     for last in range(whole, S, BS):                                        # pass 1: delta, dMq2
         state = _query_block(last, True, False, state, lse, 0, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
                              dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
                              HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
                              DOT_MN, DOT_K, FAST_EXP)
     for start in range(0, whole, BS):
         state = _query_block(start, False, False, state, lse, 0, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
                              dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
                              HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
                              DOT_MN, DOT_K, FAST_EXP)
     delta, dm2 = state
@@ -611,13 +616,13 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     for last in range(whole, S, BS):                                        # pass 2: dq, dMq1
         state = _query_block(last, True, True, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
                              dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
                              HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
                              DOT_MN, DOT_K, FAST_EXP)
     for start in range(0, whole, BS):
         state = _query_block(start, False, True, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
                              dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, BS, HG, HAS_MASK, MASK_HEADS,
+                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
                              HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
                              DOT_MN, DOT_K, FAST_EXP)
     dqt0, dqt1, dm1t = state
@@ -630,8 +635,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
 @triton.jit
 def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
                Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms, a1n, a2n,
-               T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, BT: tl.constexpr,
-               HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr,
+               T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
+               BT: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr,
                HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr, HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr,
                WANT_DMK2: tl.constexpr, DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr,
                DOT_MN: tl.constexpr, DOT_K: tl.constexpr, FAST_EXP: tl.constexpr):
@@ -641,8 +646,8 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
     dkt0, dkt1, dvt0, dvt1, dm1t, dm2 = state
     tr = start + tl.arange(0, BT)[None, :, None]
     t = start + tl.arange(0, BT)[:, None, None]
-    mq1 = _matrices(HAS_PRE, MQ1, t, a1n, _within(t, T, EDGE), H, HP)               # the queries' matrices
-    mq2 = _matrices(HAS_POST, MQ2, t, a2n, _within(t, T, EDGE), H, HP)
+    mq1 = _matrices(HAS_PRE, MQ1, t, a1n, _within(t, T, EDGE), MH, H, HP)               # the queries' matrices
+    mq2 = _matrices(HAS_POST, MQ2, t, a2n, _within(t, T, EDGE), MH, H, HP)
     s0 = _t(_dot_by_halves(Q, hh * sqh + tr * sqt, sqd, hm & _within(tr, T, EDGE), kt0, kt1, D, DP,
                            PRECISION, DOT_MN)) * scale
     x = _logits(s0, b, t, s, T, S, False, EDGE, MASK, smb, smh, smt, sms,
@@ -685,7 +690,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
                         a1b, a1n, b1b, b1n,
                         a2b, a2n, b2b, b2n,
                         T, S, scale,
-                        H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
+                        H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
                         BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                         MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                         HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr,
@@ -706,8 +711,8 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     hm = hh < H
     s = s_idx[:, None, None]
     h3 = tl.arange(0, HP)[None, None, :]
-    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, H, HP)    # the keys' matrices
-    mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, H, HP)
+    mk1 = _matrices(HAS_PRE and HAS_MK1, MK1 + b * b1b, s, b1n, s < S, MH, H, HP)    # the keys' matrices
+    mk2 = _matrices(HAS_POST and HAS_MK2, MK2 + b * b2b, s, b2n, s < S, MH, H, HP)
     hg = h0 + tl.arange(0, HG)[:, None, None]                               # the group's heads
     gm = hg < H
     sc = s_idx[None, None, :]
@@ -725,12 +730,12 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     for last in range(whole, T, BT):                                        # the last, partial block first
         state = _key_block(last, True, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
                            Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms,
-                           a1n, a2n, T, S, scale, H, D, HP, DP, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                           a1n, a2n, T, S, scale, H, D, HP, DP, MH, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
                            HAS_POST, HAS_MK2, WANT_DMK1, WANT_DMK2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     for start in range(0, whole, BT):
         state = _key_block(start, False, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
                            Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms,
-                           a1n, a2n, T, S, scale, H, D, HP, DP, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                           a1n, a2n, T, S, scale, H, D, HP, DP, MH, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
                            HAS_POST, HAS_MK2, WANT_DMK1, WANT_DMK2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     dkt0, dkt1, dvt0, dvt1, dm1t, dm2 = state
     out = b * sdb + hg * sdh + sc * sds

@@ -34,7 +34,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for", "known_to_spill",
-           "score_grad_map", "attention_forward", "attention_backward", "block_sizes", "MAX_HEADS"]
+           "score_grad_map", "pads_matrices", "attention_forward", "attention_backward", "block_sizes",
+           "MAX_HEADS"]
 
 MAX_HEADS = 16
 MAX_REGISTERS = 255       # a thread's registers: the hardware's bound, stated to ptxas (`block_sizes`)
@@ -335,7 +336,8 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     powers of two, which operands are present, and the precision of the q/k/v products
     (PRECISION) and of Compose's head mixing (MIX), and the smallest rows or columns (DOT_MN) and
     contraction (DOT_K) of a float32 `tl.dot` (`dot_min`): the head mixing and matrix gradients
-    are padded where they are smaller; FAST_EXP: the softmax's exponentials as the GPU's
+    are padded where they are smaller; MH: the matrices' row length (`pads_matrices`);
+    FAST_EXP: the softmax's exponentials as the GPU's
     flushing ``ex2.approx.ftz`` (`triton_attention._exp`; not in the interpreter);
     MASK_HEADS: the mask (expanded to (B, H, T, S)) differs between heads; else one tile of it
     serves every head (`triton_attention._logits`)."""
@@ -345,7 +347,7 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 MASK_HEADS=mask is not None and H > 1 and mask.stride(1) != 0,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
-                HAS_MK2=mk2 is not None, PRECISION=_precision(q.dtype),
+                HAS_MK2=mk2 is not None, MH=_padded_heads(H) if pads_matrices(H) else H, PRECISION=_precision(q.dtype),
                 MIX=_mix_precision(q.dtype), DOT_MN=max(m, n), DOT_K=k, FAST_EXP=not interpreted())
 
 
@@ -374,17 +376,36 @@ def _mix_precision(dtype: torch.dtype) -> str:
     return "exact" if interpreted() else "tf32"
 
 
+def pads_matrices(H: int) -> bool:
+    """Whether the kernels take the Compose matrices zero-padded to HP×HP per token (their
+    MH): at 3-7 heads (8 padded ones), where a block's matrix loads then need no head mask
+    and load whole 32-byte rows, 3-13 % fewer instructions in each kernel
+    (docs/performance.md). At 9-15 heads (16 padded ones) the copy's bytes would cost more
+    than the instructions it saves."""
+    return H < _padded_heads(H) == 8
+
+
 def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
     """The mask as a float32 additive 4-D tensor (bool: True = keep) and the matrices in
     float32, each token's H×H matrix contiguous (the kernels index it with constant offsets:
-    a fifth fewer instructions at 12 heads than with its strides as arguments)."""
+    a fifth fewer instructions at 12 heads than with its strides as arguments), zero-padded
+    to HP×HP where `pads_matrices`."""
     if mask is not None:
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
         mask = mask.to(torch.float32)
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
-    return mask, [None if m is None else _contiguous_matrices(m.to(torch.float32)) for m in mats]
+    return mask, [None if m is None else _kernel_matrices(m.to(torch.float32)) for m in mats]
+
+
+def _kernel_matrices(m: Tensor) -> Tensor:
+    """m (B|1, N|1, H, H) float32 as the kernels read it: each matrix contiguous, padded
+    with zeros to HP×HP where `pads_matrices` (its broadcast dims kept)."""
+    H = m.shape[-1]
+    if pads_matrices(H):
+        return torch.nn.functional.pad(m, (0, _padded_heads(H) - H, 0, _padded_heads(H) - H))
+    return _contiguous_matrices(m)
 
 
 def _contiguous_matrices(m: Tensor) -> Tensor:
