@@ -417,7 +417,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     sides, no mask, every matrix gradient wanted), counted from its loops with the blocks and
     head groups of the first `block_sizes` candidate and the padded head count (and rows: a
     tensor-core product pads 8 rows to 16, which one side of each Compose stage has when a
-    block is 8 rows): tensor-core FLOPs in the
+    block is 8 rows, but for 16 output heads, `triton_attention._mix`): tensor-core FLOPs in the
     operands' dtype (``bf16``: q·kᵀ, p·v and their gradients) and in TF32 (``tf32``: Compose's
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
@@ -439,7 +439,9 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
     mix = 2 * tile * hp                                 # one side of a Compose stage, or a dM
     pad = 16 // min(c["BT"], c["BS"], 16)               # a block of 8 rows: the side of a stage batched
-    compose = mix + pad * mix                           # over the others has 8 product rows, padded to 16
+    if hp // c["G"] >= 16 and c["G"] == 1:              # over the others has 8 product rows, padded to 16,
+        pad = 1                                         # unless taken transposed (16 output heads, `_mix`)
+    compose = mix + pad * mix
     m, n, k = dot_min(32, 90)
     heads_out = 2 if hp // c["G"] < max(m, n) else 1    # a product's columns: the output heads
     compose *= (2 if hp < k else 1) * heads_out         # Compose: (cols, heads) @ (heads, heads)

@@ -213,10 +213,20 @@ def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, MIX: tl.constexpr, DOT_MN
          DOT_K: tl.constexpr):
     """``out[x, y, h] = Σ_g a[x, y, g] · m[x, g, h0 + h]``: an (X, Y, HP) float32 tile times the
     matrices of the tokens on its axis 0 (`_matrices`), one batched product, for the HO
-    output heads from h0: an (X, Y, HO) tile. TR applies the transposed matrices."""
-    if TR:
-        m = tl.permute(m, (0, 2, 1))
-    return _mm(a, _group(m, h0, HO), tl.zeros((a.shape[0], a.shape[1], HO), tl.float32), MIX, DOT_MN, DOT_K)
+    output heads from h0: an (X, Y, HO) tile. TR applies the transposed matrices. Y under 16
+    (8 keys: the key kernel's query-side term) would be a product's rows, which a tensor-core
+    product pads to 16: taken transposed instead, ``(mᵀ aᵀ)ᵀ``, the 8 as its columns (the
+    transposes fold into the caller's permutes)."""
+    if a.shape[1] < 16 and HO == a.shape[2] and HO >= 16:
+        if not TR:
+            m = tl.permute(m, (0, 2, 1))                                    # m[x, h, g]
+        out = tl.permute(_mm(m, tl.permute(a, (0, 2, 1)), tl.zeros((a.shape[0], HO, a.shape[1]), tl.float32),
+                             MIX, DOT_MN, DOT_K), (0, 2, 1))
+    else:
+        if TR:
+            m = tl.permute(m, (0, 2, 1))
+        out = _mm(a, _group(m, h0, HO), tl.zeros((a.shape[0], a.shape[1], HO), tl.float32), MIX, DOT_MN, DOT_K)
+    return out
 
 
 @triton.jit
