@@ -87,13 +87,15 @@ def test_the_score_gradient_map_is_priced_where_it_is_used(estimate):
 
 
 def test_the_matrices_padded_copy_is_priced_where_it_is_made(estimate):
-    """At 3-7 heads (S/16) the four matrices are copied zero-padded to 8×8 per token
-    (`triton_core.pads_matrices`) in the forward and again in the backward: read as H×H and
-    written as 8×8 float32, memory-bound; both passes' estimates and the layers' cores include
-    it. B/16 (12 heads) takes its matrices as they are."""
+    """At 3-7 heads (S/16), from Triton 3.8 on, the four matrices are copied zero-padded to
+    8×8 per token (`triton_core.pads_matrices`) in the forward and again in the backward:
+    read as H×H and written as 8×8 float32, memory-bound; both passes' estimates and the
+    layers' cores include it. B/16 (12 heads) takes its matrices as they are."""
     from dcvit.bench import kernels
+    from dcvit.kernels.triton_core import pads_matrices
     small, base = estimate["models"]["S/16"], estimate["models"]["B/16"]
-    assert base["padding"] is None
+    assert base["padding"] is None and not pads_matrices(base["heads"])
+    assert pads_matrices(small["heads"]), "the project's Triton (3.8) pads at 6 heads"
     B, H, N = estimate["batch"], small["heads"], small["tokens"]
     pad = small["padding"]
     assert pad["bytes"] == 4 * 4 * B * N * (H * H + 8 * 8)

@@ -630,7 +630,7 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
             products = grad_map_work(batch, H, N, D)
             products.update(roofline_ms(products))
         padding = None                                  # in each direction, memory-bound
-        if pads_matrices(H):
+        if pads_matrices(H, 90):
             padding = padding_work(batch, H, N)
             padding.update(roofline_ms(padding))
         extra = (products["estimate"] if products else 0.0) + (2 * padding["estimate"] if padding else 0.0)

@@ -347,7 +347,8 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 MASK_HEADS=mask is not None and H > 1 and mask.stride(1) != 0,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
-                HAS_MK2=mk2 is not None, MH=_padded_heads(H) if pads_matrices(H) else H, PRECISION=_precision(q.dtype),
+                HAS_MK2=mk2 is not None, MH=_padded_heads(H) if pads_matrices(H, _arch(q.device)) else H,
+                PRECISION=_precision(q.dtype),
                 MIX=_mix_precision(q.dtype), DOT_MN=max(m, n), DOT_K=k, FAST_EXP=not interpreted())
 
 
@@ -376,34 +377,36 @@ def _mix_precision(dtype: torch.dtype) -> str:
     return "exact" if interpreted() else "tf32"
 
 
-def pads_matrices(H: int) -> bool:
+def pads_matrices(H: int, arch: int = 90) -> bool:
     """Whether the kernels take the Compose matrices zero-padded to HP×HP per token (their
-    MH): at 3-7 heads (8 padded ones), where a block's matrix loads then need no head mask
-    and load whole 32-byte rows, 3-13 % fewer instructions in each kernel
-    (docs/performance.md). At 9-15 heads (16 padded ones) the copy's bytes would cost more
-    than the instructions it saves."""
-    return H < _padded_heads(H) == 8
+    MH): at 3-7 heads (8 padded ones) where the running Triton's `tl.dot` takes Compose's
+    8-head contraction as it is (3.8 on, `dot_min`). A block's matrix loads then need no
+    head mask and load whole 32-byte rows: 8-15 % fewer instructions in each kernel, more
+    than the copy's bytes cost (docs/performance.md). Under 3.4-3.7 the kernels gain 2-5 %,
+    less than the copy; at 9-15 heads (16 padded ones) 2-3 %, for a copy four times
+    larger."""
+    return H < _padded_heads(H) == 8 and dot_min(32, arch)[2] <= 8
 
 
-def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]):
+def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]], pad: bool):
     """The mask as a float32 additive 4-D tensor (bool: True = keep) and the matrices in
     float32, each token's H×H matrix contiguous (the kernels index it with constant offsets:
     a fifth fewer instructions at 12 heads than with its strides as arguments), zero-padded
-    to HP×HP where `pads_matrices`."""
+    to HP×HP where ``pad`` (`pads_matrices`)."""
     if mask is not None:
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
         mask = mask.to(torch.float32)
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
-    return mask, [None if m is None else _kernel_matrices(m.to(torch.float32)) for m in mats]
+    return mask, [None if m is None else _kernel_matrices(m.to(torch.float32), pad) for m in mats]
 
 
-def _kernel_matrices(m: Tensor) -> Tensor:
+def _kernel_matrices(m: Tensor, pad: bool) -> Tensor:
     """m (B|1, N|1, H, H) float32 as the kernels read it: each matrix contiguous, padded
-    with zeros to HP×HP where `pads_matrices` (its broadcast dims kept)."""
+    with zeros to HP×HP where ``pad`` (its broadcast dims kept)."""
     H = m.shape[-1]
-    if pads_matrices(H):
+    if pad:
         return torch.nn.functional.pad(m, (0, _padded_heads(H) - H, 0, _padded_heads(H) - H))
     return _contiguous_matrices(m)
 
@@ -420,7 +423,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     _check(q, k, v)
     B, H, T, D = q.shape
     S = k.shape[2]
-    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2))
+    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2), pads_matrices(H, _arch(q.device)))
     if mask is not None:
         mask = mask.expand(B, H, T, S)
     out = v.new_empty(B, T, H, D)
@@ -449,7 +452,7 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
                          "(lse); run attention_forward and pass its second result")
     B, H, T, D = q.shape
     S = k.shape[2]
-    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2))
+    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2), pads_matrices(H, _arch(q.device)))
     if mask is not None:
         mask = mask.expand(B, H, T, S)
     g = grad.transpose(1, 2)                                                 # (B, H, T, D)
