@@ -503,9 +503,10 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
     """The warp instructions one launch of a compiled variant (a `compile_variant` row with
     its machine code counted) issues over B sequences of N tokens: per program its code
     outside the loops once and its loops' once per block they visit, times its warps;
-    programs per (row block, head group, sequence) as `triton_core` launches them. Each
-    pass over the other axis is two loops (`triton_attention`): the last, partial block's,
-    visited once where N leaves one, then the whole blocks', visited N // block times."""
+    programs per (row block, head group, sequence) as `triton_core` launches them. Without
+    a mask (the variants estimated) each pass over the other axis is two loops
+    (`triton_attention`): the last, partial block's, visited once where N leaves one, then
+    the whole blocks', visited N // block times."""
     nt, ns = -(-N // row["BT"]), -(-N // row["BS"])
     blocks, step = (ns, row["BT"]) if row["kernel"] == "backward_key_kernel" else (nt, row["BS"])
     passes = 1 if row["kernel"] == "backward_key_kernel" else 2

@@ -62,14 +62,17 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
   deterministic, no atomics, no per-query-block partial buffers. Its tiles are
   ``(keys, queries, heads)``: the key side is the one its own rows index.
 
-Whole blocks and the last one. Each pass over the other axis takes its last, partial block
-first (from ``N - N % block``; loads, stores and logits masked past the end), then the whole
-blocks, where nothing depends on the sequence's end (`_within` makes that mask a constant,
-which the compiler removes): 3-12 % fewer instructions per block (docs/performance.md). A
-kernel's step is one jit function (`_forward_block`, `_query_block`, `_key_block`) called
-from both loops. The partial block is a loop of at most one step, before the whole ones: as
-an ``if`` after them ptxas spilled 64 B (the 6-head forward) and 292 B (the 16-head query
-kernel); as a loop after them, 8 B in the 16-head query kernel for sm_80.
+Whole blocks and the last one. Without a mask each pass over the other axis takes its
+last, partial block first (from ``N - N % block``; loads, stores and logits masked past the
+end), then the whole blocks, where nothing depends on the sequence's end (`_within` makes
+that mask a constant, which the compiler removes): 3-12 % fewer instructions per block
+(docs/performance.md). A kernel's step is one jit function (`_forward_block`,
+`_query_block`, `_key_block`), its two loops one `tl.static_range` over the phases. The
+partial block is a loop of at most one step, before the whole ones: as an ``if`` after
+them ptxas spilled 64 B (the 6-head forward) and 292 B (the 16-head query kernel); as a
+loop after them, 8 B in the 16-head query kernel for sm_80. With a mask (which keeps the
+smaller blocks, `triton_core.block_sizes`) one masked loop takes every block, as before:
+with both, the key kernel with a mask per head at 16 heads spilled 8-12 B.
 
 Loads and stores of q, k, v and their gradients go through explicit strides (they may be
 views of the qkv projection); each token's H×H matrix is contiguous (`triton_core` makes it
@@ -397,10 +400,9 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, MASK, s
 
 
 @triton.jit
-def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, t, hh, hm, hg, gm, dc, h0,
-                   qt0, qt1, mq1, mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms,
-                   b1n, b2n, T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr,
-                   MH: tl.constexpr,
+def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1,
+                   mq1, mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n, T, S,
+                   scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
                    BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
                    HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr, HAS_MK2: tl.constexpr,
                    PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
@@ -470,44 +472,38 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     V += b * svb
     MK1 += b * b1b
     MK2 += b * b2b
-    whole = S - S % BS                                                      # keys in whole blocks: unmasked
+    whole = 0 if HAS_MASK else S - S % BS                                   # keys in whole blocks: unmasked
 
     stats = (tl.full((BT, HP), -1e30, tl.float32), tl.zeros((BT, HP), tl.float32))
-    for last in range(whole, S, BS):                                        # pass 1: row statistics
-        stats = _forward_block(last, True, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
-                               K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                               T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
-                               HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
-    for start in range(0, whole, BS):
-        stats = _forward_block(start, False, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
-                               K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                               T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
-                               HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    for phase in tl.static_range(2):                                    # pass 1: row statistics
+        if phase == 0 or not HAS_MASK:
+            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
+                stats = _forward_block(start, phase == 0, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1,
+                                       mq1, mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt,
+                                       sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
+                                       HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     m_i, l_i = stats
     lse = m_i + tl.log(l_i)
     t2 = t_idx[:, None]
     tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
 
     acc = tl.zeros((HG, DP, BT), tl.float32)                                # Oᵀ
-    for last in range(whole, S, BS):                                        # pass 2: output
-        acc = _forward_block(last, True, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
-                             K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                             T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
-                             HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
-    for start in range(0, whole, BS):
-        acc = _forward_block(start, False, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1, mq2,
-                             K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n, b2n,
-                             T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
-                             HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    for phase in tl.static_range(2):                                    # pass 2: output
+        if phase == 0 or not HAS_MASK:
+            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
+                acc = _forward_block(start, phase == 0, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1,
+                                     mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n,
+                                     b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE,
+                                     HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     tl.store(O + b * sob + hg * soh + tc * sot + dc * sod, acc.to(O.dtype.element_ty),
              mask=gm & (tc < T) & (dc < D))
 
 
 @triton.jit
-def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0,
-                 qt0, qt1, dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd,
-                 srh, srt, srs, smb, smh, smt, sms, b1n, b2n, T, S, scale, H: tl.constexpr, D: tl.constexpr,
-                 HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr, BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr,
+def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0,
+                 qt1, dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
+                 smb, smh, smt, sms, b1n, b2n, T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr,
+                 DP: tl.constexpr, MH: tl.constexpr, BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr,
                  MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                  HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr, DS_MAP: tl.constexpr,
                  PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
@@ -600,21 +596,17 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     DS += b * srb
     MK1 += b * b1b
     MK2 += b * b2b
-    whole = S - S % BS                                                      # keys in whole blocks: unmasked
+    whole = 0 if HAS_MASK else S - S % BS                                   # keys in whole blocks: unmasked
 
     state = (tl.zeros((BT, HP), tl.float32), tl.zeros((BT, HP, HG), tl.float32))   # delta, dMq2
-    for last in range(whole, S, BS):                                        # pass 1: delta, dMq2
-        state = _query_block(last, True, False, state, lse, 0, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
-                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
-                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
-                             DOT_MN, DOT_K, FAST_EXP)
-    for start in range(0, whole, BS):
-        state = _query_block(start, False, False, state, lse, 0, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
-                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
-                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
-                             DOT_MN, DOT_K, FAST_EXP)
+    for phase in tl.static_range(2):                                    # pass 1: delta, dMq2
+        if phase == 0 or not HAS_MASK:
+            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
+                state = _query_block(start, phase == 0, False, state, lse, 0, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1,
+                                     dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd,
+                                     srh, srt, srs, smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS,
+                                     HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
+                                     WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     delta, dm2 = state
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
     if WANT_DMQ2:                                                           # stored now: not live in pass 2
@@ -623,18 +615,14 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dqᵀ by halves of D
     state = (tl.zeros((HG, DH, BT), tl.float32), tl.zeros((HG, DH, BT), tl.float32),   # dqᵀ, dMq1ᵀ: 8 queries,
              tl.zeros((BT, HP, HG), tl.float32))                                       # heads as columns
-    for last in range(whole, S, BS):                                        # pass 2: dq, dMq1
-        state = _query_block(last, True, True, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
-                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
-                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
-                             DOT_MN, DOT_K, FAST_EXP)
-    for start in range(0, whole, BS):
-        state = _query_block(start, False, True, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0, qt1, dot0,
-                             dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, srh, srt, srs,
-                             smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
-                             HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2, DS_MAP, PRECISION, MIX,
-                             DOT_MN, DOT_K, FAST_EXP)
+    for phase in tl.static_range(2):                                    # pass 2: dq, dMq1
+        if phase == 0 or not HAS_MASK:
+            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
+                state = _query_block(start, phase == 0, True, state, lse, delta, b, t, tc, hh, hm, hg, gm, h0, qt0,
+                                     qt1, dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs,
+                                     svd, srh, srt, srs, smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH,
+                                     BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
+                                     WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     dqt0, dqt1, dm1t = state
     if not DS_MAP:
         _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
@@ -643,13 +631,13 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
 
 
 @triton.jit
-def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
-               Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms, a1n, a2n,
-               T, S, scale, H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
-               BT: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr,
-               HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr, HAS_MK2: tl.constexpr, WANT_DMK1: tl.constexpr,
-               WANT_DMK2: tl.constexpr, DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr,
-               DOT_MN: tl.constexpr, DOT_K: tl.constexpr, FAST_EXP: tl.constexpr):
+def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2, Q, DO,
+               LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms, a1n, a2n, T, S, scale,
+               H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
+               BT: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
+               HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr, HAS_MK2: tl.constexpr,
+               WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr, DS_MAP: tl.constexpr, PRECISION: tl.constexpr,
+               MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr, FAST_EXP: tl.constexpr):
     """The key kernel over the BT queries from ``start``: state (dkᵀ's and dvᵀ's halves,
     dMk1ᵀ, dMk2). Q, DO, MQ1, MQ2 point at the sequence. EDGE: the block may run past T
     (the last one); else its loads are unmasked."""
@@ -732,21 +720,19 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     DO += b * sgb
     MQ1 += b * a1b
     MQ2 += b * a2b
-    whole = T - T % BT                                                      # queries in whole blocks: unmasked
+    whole = 0 if HAS_MASK else T - T % BT                                   # queries in whole blocks: unmasked
     DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dkᵀ, dvᵀ by halves of D:
     state = (tl.zeros((HG, DH, BS), tl.float32), tl.zeros((HG, DH, BS), tl.float32),   # 8 keys fill a tensor-core
              tl.zeros((HG, DH, BS), tl.float32), tl.zeros((HG, DH, BS), tl.float32),   # product's columns;
              tl.zeros((BS, HP, HG), tl.float32), tl.zeros((BS, HP, HG), tl.float32))   # dMk1ᵀ: 8 heads as columns
-    for last in range(whole, T, BT):                                        # the last, partial block first
-        state = _key_block(last, True, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
-                           Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms,
-                           a1n, a2n, T, S, scale, H, D, HP, DP, MH, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
-                           HAS_POST, HAS_MK2, WANT_DMK1, WANT_DMK2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
-    for start in range(0, whole, BT):
-        state = _key_block(start, False, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1, mk2,
-                           Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh, smt, sms,
-                           a1n, a2n, T, S, scale, H, D, HP, DP, MH, BT, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
-                           HAS_POST, HAS_MK2, WANT_DMK1, WANT_DMK2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    for phase in tl.static_range(2):                                    # the last, partial block first
+        if phase == 0 or not HAS_MASK:
+            for start in range(whole if phase == 0 else 0, T if phase == 0 else whole, BT):
+                state = _key_block(start, phase == 0, state, b, s, h3, hh, hm, hg, gm, h0, kt0, kt1, vt0, vt1, mk1,
+                                   mk2, Q, DO, LSE, DELTA, MASK, MQ1, MQ2, sqh, sqt, sqd, sgh, sgt, sgd, smb, smh,
+                                   smt, sms, a1n, a2n, T, S, scale, H, D, HP, DP, MH, BT, HG, HAS_MASK, MASK_HEADS,
+                                   HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMK1, WANT_DMK2, DS_MAP, PRECISION, MIX,
+                                   DOT_MN, DOT_K, FAST_EXP)
     dkt0, dkt1, dvt0, dvt1, dm1t, dm2 = state
     out = b * sdb + hg * sdh + sc * sds
     if not DS_MAP:
