@@ -87,7 +87,7 @@ def test_the_score_gradient_map_is_priced_where_it_is_used(estimate):
 
 
 def test_the_matrices_padded_copy_is_priced_where_it_is_made(estimate):
-    """At 3-7 heads (S/16), from Triton 3.8 on, the four matrices are copied zero-padded to
+    """At up to 7 heads (S/16), from Triton 3.8 on, the four matrices are copied zero-padded to
     8×8 per token (`triton_core.pads_matrices`) in the forward and again in the backward:
     read as H×H and written as 8×8 float32, memory-bound; both passes' estimates and the
     layers' cores include it. B/16 (12 heads) takes its matrices as they are."""

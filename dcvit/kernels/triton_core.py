@@ -379,7 +379,7 @@ def _mix_precision(dtype: torch.dtype) -> str:
 
 def pads_matrices(H: int, arch: int = 90) -> bool:
     """Whether the kernels take the Compose matrices zero-padded to HP×HP per token (their
-    MH): at 3-7 heads (8 padded ones) where the running Triton's `tl.dot` takes Compose's
+    MH): at up to 7 heads (8 padded ones) where the running Triton's `tl.dot` takes Compose's
     8-head contraction as it is (3.8 on, `dot_min`). A block's matrix loads then need no
     head mask and load whole 32-byte rows: 8-15 % fewer instructions in each kernel, more
     than the copy's bytes cost (docs/performance.md). Under 3.4-3.7 the kernels gain 2-5 %,
