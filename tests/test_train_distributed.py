@@ -86,8 +86,12 @@ def private_tmp():
 
 @pytest.fixture
 def tmp_path(private_tmp, request):
+    """An empty directory per test; a rerun (``--reruns``, CI's slow tier) gets its own again
+    in place of the failed attempt's, which would otherwise make the rerun an error."""
     import pathlib
+    import shutil
     path = pathlib.Path(private_tmp) / request.node.name
+    shutil.rmtree(path, ignore_errors=True)
     path.mkdir()
     return path
 
