@@ -13,6 +13,11 @@ block (docs/spec.md §1.1, with each stage merged into per-token H×H matrices a
     p2[h]  = Σ_g p[g]  · (Mq2[t,g,h] + Mk2[s,g,h])                 post-compose
     o[h]  += p2[h] v[h]                                            tl.dot
 
+No score is multiplied by the scale: the kernels take s0 = q kᵀ unscaled and, without a
+mask, keep the logits in those units (pre-compose is linear), the exponentials' FMA applying
+the scale (`_logit_scale`, `_exp`) and the pre-compose matrices' gradients taking it at
+their stores; with a mask it joins the mask's add (one FMA).
+
 Layout. The products with q, k, v are batched over heads, tiles ``(heads, rows, cols)``.
 Compose runs on the same values laid out ``(rows, cols, heads)``: there its query-side term
 is, for every query t, the product ``(keys × heads) @ Mq[t]`` and its key-side term, for
@@ -173,12 +178,13 @@ def _mm(a, b, acc, PRECISION: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.cons
 
 
 @triton.jit
-def _exp(x, c, FAST: tl.constexpr):
-    """``exp(x - c)`` as ``2^(x·log2 e - c·log2 e)``: an FMA per element (c broadcast along an
-    axis costs its own size) and, on a GPU (FAST), one ``ex2.approx.ftz``: results below
-    2⁻¹²⁶ flush to zero, where ptxas wraps the subnormal-keeping ``ex2.approx`` that `tl.exp`
-    becomes in four more instructions. `tl.exp2` in the interpreter."""
-    y = x * 1.4426950408889634 - c * 1.4426950408889634
+def _exp(x, c, xs, FAST: tl.constexpr):
+    """``exp(xs·x - c)`` as ``2^(x·(xs·log2 e) - c·log2 e)``: an FMA per element (xs a scalar, the
+    logits' scale `_logit_scale`; c broadcast along an axis costs its own size) and, on a GPU
+    (FAST), one ``ex2.approx.ftz``: results below 2⁻¹²⁶ flush to zero, where ptxas wraps the
+    subnormal-keeping ``ex2.approx`` that `tl.exp` becomes in four more instructions.
+    `tl.exp2` in the interpreter."""
+    y = x * (xs * 1.4426950408889634) - c * 1.4426950408889634
     if FAST:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
                                          is_pure=True, pack=1)
@@ -212,39 +218,45 @@ def _matrices(HAS: tl.constexpr, M, rows, n_stride, rows_ok, MH: tl.constexpr, H
 
 
 @triton.jit
-def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr,
+def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, acc, MIX: tl.constexpr, DOT_MN: tl.constexpr,
          DOT_K: tl.constexpr):
-    """``out[x, y, h] = Σ_g a[x, y, g] · m[x, g, h0 + h]``: an (X, Y, HP) float32 tile times the
-    matrices of the tokens on its axis 0 (`_matrices`), one batched product, for the HO
-    output heads from h0: an (X, Y, HO) tile. TR applies the transposed matrices. Y under 16
-    (8 keys: the key kernel's query-side term) would be a product's rows, which a tensor-core
-    product pads to 16: taken transposed instead, ``(mᵀ aᵀ)ᵀ``, the 8 as its columns (the
-    transposes fold into the caller's permutes)."""
+    """``out[x, y, h] = acc[x, y, h] + Σ_g a[x, y, g] · m[x, g, h0 + h]``: an (X, Y, HP) float32
+    tile times the matrices of the tokens on its axis 0 (`_matrices`), one batched product
+    accumulating onto acc, for the HO output heads from h0: an (X, Y, HO) tile. TR applies
+    the transposed matrices. Y under 16 (8 keys: the key kernel's query-side term) would be a
+    product's rows, which a tensor-core product pads to 16: taken transposed instead,
+    ``(mᵀ aᵀ)ᵀ``, the 8 as its columns (the transposes fold into the caller's permutes)."""
     if a.shape[1] < 16 and HO == a.shape[2] and HO >= 16:
         if not TR:
             m = tl.permute(m, (0, 2, 1))                                    # m[x, h, g]
-        out = tl.permute(_mm(m, tl.permute(a, (0, 2, 1)), tl.zeros((a.shape[0], HO, a.shape[1]), tl.float32),
-                             MIX, DOT_MN, DOT_K), (0, 2, 1))
+        out = tl.permute(_mm(m, tl.permute(a, (0, 2, 1)), tl.permute(acc, (0, 2, 1)), MIX, DOT_MN, DOT_K), (0, 2, 1))
     else:
         if TR:
             m = tl.permute(m, (0, 2, 1))
-        out = _mm(a, _group(m, h0, HO), tl.zeros((a.shape[0], a.shape[1], HO), tl.float32), MIX, DOT_MN, DOT_K)
+        out = _mm(a, _group(m, h0, HO), acc, MIX, DOT_MN, DOT_K)
     return out
 
 
 @triton.jit
 def _compose(a, m0, HAS0: tl.constexpr, m1, HAS1: tl.constexpr, TR: tl.constexpr, o0, HO: tl.constexpr,
-             MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
+             MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr, CHAIN: tl.constexpr):
     """``out[x, y, h] = Σ_g a[x, y, g] · (m0[x, g, o0 + h] + m1[y, g, o0 + h])`` for an (X, Y, HP)
     tile and the HO output heads from o0: m0 the matrices of the tokens of axis 0, m1 those
     of axis 1 (`_matrices`; either may be absent); TR: with the matrices transposed (a
-    stage's backward)."""
+    stage's backward). CHAIN: the second term's product accumulates onto the first's result
+    (moved into its layout) instead of the two results being added (its result moved):
+    the backward kernels issue 2-4 % fewer instructions so, the forward 3 % more
+    (docs/performance.md)."""
     out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
-        out += _mix(a, m0, TR, o0, HO, MIX, DOT_MN, DOT_K)
+        out = _mix(a, m0, TR, o0, HO, out, MIX, DOT_MN, DOT_K)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
-        out += tl.permute(_mix(at, m1, TR, o0, HO, MIX, DOT_MN, DOT_K), (1, 0, 2))
+        if CHAIN:
+            out = tl.permute(_mix(at, m1, TR, o0, HO, tl.permute(out, (1, 0, 2)), MIX, DOT_MN, DOT_K), (1, 0, 2))
+        else:
+            out += tl.permute(_mix(at, m1, TR, o0, HO, tl.zeros((a.shape[1], a.shape[0], HO), tl.float32), MIX,
+                                   DOT_MN, DOT_K), (1, 0, 2))
     return out
 
 
@@ -358,11 +370,27 @@ def _within(idx, n, EDGE: tl.constexpr):
 
 
 @triton.jit
-def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, MASK, smb, smh, smt, sms,
+def _logit_scale(scale, HAS_MASK: tl.constexpr):
+    """The factor between `_logits`' values and the softmax's logits: without a mask the
+    softmax scale, which the exponentials' FMA (`_exp`) and the matrix gradients' stores
+    apply, so no score is multiplied by it; with one 1 (the mask is added to scaled logits,
+    in one FMA)."""
+    if HAS_MASK:
+        out = 1.0
+    else:
+        out = scale
+    return out
+
+
+@triton.jit
+def _logits(s0, scale, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, MASK, smb, smh, smt, sms,
             mq1, mk1, H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
-            HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr):
-    """The logits after pre-compose and the mask, -inf at padded keys, from the scaled
-    scores s0 laid out (rows, cols, heads). t, s: query and key indices, (X, 1, 1) for
+            HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+            CHAIN: tl.constexpr):
+    """The logits after pre-compose (`_compose`'s CHAIN) and the mask, -inf at padded keys,
+    in units of `_logit_scale` (unscaled without a mask), from the unscaled scores s0 = q·kᵀ
+    laid out (rows, cols, heads): pre-compose is linear, so it commutes with the scale. t,
+    s: query and key indices, (X, 1, 1) for
     axis 0 and (Y, 1, 1) for axis 1 of the tile: axis 0 holds the queries when Q_SIDE,
     else the keys. EDGE: the loop's block (axis 1) may run past its end; a whole one is not
     masked (`_within`). A mask shared by the heads (not MASK_HEADS) is loaded as one (X, Y)
@@ -376,26 +404,26 @@ def _logits(s0, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, MASK, s
         tq, sk = t, tl.permute(s, (1, 0, 2))                         # (X, 1, 1), (1, Y, 1)
         t_ok, s_ok = tq < T, _within(sk, S, EDGE)
         if HAS_PRE:
-            x = _compose(s0, mq1, True, mk1, HAS_MK1, False, 0, HP, MIX, DOT_MN, DOT_K)
+            x = _compose(s0, mq1, True, mk1, HAS_MK1, False, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
     else:
         tq, sk = tl.permute(t, (1, 0, 2)), s
         t_ok, s_ok = _within(tq, T, EDGE), sk < S
         if HAS_PRE:
-            x = _compose(s0, mk1, HAS_MK1, mq1, True, False, 0, HP, MIX, DOT_MN, DOT_K)
+            x = _compose(s0, mk1, HAS_MK1, mq1, True, False, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
     if HAS_MASK:
         if not MASK_HEADS:
             m = tl.load(MASK + b * smb + tq * smt + sk * sms, mask=t_ok & s_ok, other=0.0)
             m = m.to(tl.float32)
             if HP > H:                                              # padded heads stay finite
                 m = tl.where(h < H, m, 0.0)
-            x += m
+            x = x * scale + m
         elif Q_SIDE or DOT_MN > 8:
-            x += tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
-                         mask=(h < H) & t_ok & s_ok, other=0.0).to(tl.float32)
+            x = x * scale + tl.load(MASK + b * smb + h * smh + tq * smt + sk * sms,
+                                    mask=(h < H) & t_ok & s_ok, other=0.0).to(tl.float32)
         else:
             hk, sq = _t(h), _t(sk)                                  # (HP, 1, 1), (1, 1, Y)
-            x += _t(tl.load(MASK + b * smb + hk * smh + tq * smt + sq * sms,
-                            mask=(hk < H) & t_ok & (sq < S), other=0.0).to(tl.float32))
+            x = x * scale + _t(tl.load(MASK + b * smb + hk * smh + tq * smt + sq * sms,
+                                       mask=(hk < H) & t_ok & (sq < S), other=0.0).to(tl.float32))
     return tl.where(s_ok, x, float("-inf"))
 
 
@@ -408,20 +436,22 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
                    PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                    FAST_EXP: tl.constexpr):
     """The forward over the BS keys from ``start``. Pass 1 (not OUT): state (m_i, l_i), the
-    running row statistics; pass 2 (OUT): state, Oᵀ's accumulator. K, V, MK1, MK2 point at
-    the sequence. EDGE: the block may run past S (the last one); else nothing is masked."""
+    running row statistics (the maximum in `_logits`' units); pass 2 (OUT): state, Oᵀ's
+    accumulator. K, V, MK1, MK2 point at the sequence. EDGE: the block may run past S (the
+    last one); else nothing is masked."""
     sr = start + tl.arange(0, BS)[None, :, None]
     s = start + tl.arange(0, BS)[:, None, None]
     mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), MH, H, HP)    # the keys' matrices
     if OUT:
         mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), MH, H, HP)
     x = _logits(_t(_dot_by_halves(K, hh * skh + sr * sks, skd, hm & _within(sr, S, EDGE), qt0, qt1, D, DP,
-                                  PRECISION, DOT_MN)) * scale, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
-                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)    # (BT, BS, HP)
+                                  PRECISION, DOT_MN)), scale, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
+                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K, False)   # (BT, BS, HP)
+    xs = _logit_scale(scale, HAS_MASK)
     if OUT:
-        p = _exp(x, lse[:, None, :], FAST_EXP)
+        p = _exp(x, lse[:, None, :], xs, FAST_EXP)
         if HAS_POST:
-            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K)
+            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K, False)
         else:
             p = _group(p, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -429,8 +459,9 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
         out = _mm(vt, _t(p).to(V.dtype.element_ty), state, PRECISION, DOT_MN, 1)
     else:
         m_i, l_i = state
-        m_new = tl.maximum(m_i, tl.max(x, axis=1))
-        l_i = l_i * _exp(m_i, m_new, FAST_EXP) + tl.sum(_exp(x, m_new[:, None, :], FAST_EXP), axis=1)
+        m_new = tl.maximum(m_i, tl.max(x, axis=1))                      # in x's units
+        c = m_new * xs
+        l_i = l_i * _exp(m_i, c, xs, FAST_EXP) + tl.sum(_exp(x, c[:, None, :], xs, FAST_EXP), axis=1)
         out = (m_new, l_i)
     return out
 
@@ -483,7 +514,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                                        sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
                                        HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     m_i, l_i = stats
-    lse = m_i + tl.log(l_i)
+    lse = m_i * _logit_scale(scale, HAS_MASK) + tl.log(l_i)
     t2 = t_idx[:, None]
     tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
 
@@ -512,16 +543,18 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
     dMq2); pass 2 (GRAD): state (dqᵀ's halves, dMq1ᵀ), or with DS_MAP the block's ds written.
     K, V, DS, MK1, MK2 point at the sequence. EDGE: the block may run past S (the last one);
     else nothing is masked."""
+    CHAIN: tl.constexpr = HP <= 8                   # `_compose`'s; at 16 padded heads 164 KiB of shared memory
     sr = start + tl.arange(0, BS)[None, :, None]
     s = start + tl.arange(0, BS)[:, None, None]
     mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), MH, H, HP)    # the keys' matrices
     mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), MH, H, HP)
     s0 = _t(_dot_by_halves(K, hh * skh + sr * sks, skd, hm & _within(sr, S, EDGE), qt0, qt1, D, DP,
-                           PRECISION, DOT_MN)) * scale
-    x = _logits(s0, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
-                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)
+                           PRECISION, DOT_MN))                               # unscaled
+    x = _logits(s0, scale, b, t, s, T, S, True, EDGE, MASK, smb, smh, smt, sms,
+                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K, CHAIN)
+    xs = _logit_scale(scale, HAS_MASK)
     if not GRAD:
-        p = _exp(x, lse[:, None, :], FAST_EXP)
+        p = _exp(x, lse[:, None, :], xs, FAST_EXP)
     dp = _t(_dot_by_halves(V, hh * svh + sr * svs, svd, hm & _within(sr, S, EDGE), dot0, dot1, D, DP,
                            PRECISION, DOT_MN))                               # dL/dp2 (BT, BS, HP)
     if not GRAD:
@@ -529,17 +562,17 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
         if HAS_POST:
             if WANT_DMQ2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
+            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
         out = (delta + tl.sum(p * dp, axis=1), dm2)
     else:
         dqt0, dqt1, dm1t = state
         if HAS_POST:
-            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K)
-        ds = _exp(x, lse[:, None, :], FAST_EXP) * (dp - delta[:, None, :])        # dL/ds1
+            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
+        ds = _exp(x, lse[:, None, :], xs, FAST_EXP) * (dp - delta[:, None, :])    # dL/ds1
         if HAS_PRE:
             if WANT_DMQ1:
                 dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-            ds = _compose(ds, mq1, True, mk1, HAS_MK1, True, h0, HG, MIX, DOT_MN, DOT_K)
+            ds = _compose(ds, mq1, True, mk1, HAS_MK1, True, h0, HG, MIX, DOT_MN, DOT_K, CHAIN)
         else:
             ds = _group(ds, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -626,8 +659,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     dqt0, dqt1, dm1t = state
     if not DS_MAP:
         _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
-    if WANT_DMQ1:
-        _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)), b, t_idx, T, h0, 0, H)
+    if WANT_DMQ1:                                                           # s0's scale applied here
+        _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)) * scale, b, t_idx, T, h0, 0, H)
 
 
 @triton.jit
@@ -647,16 +680,17 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
     mq1 = _matrices(HAS_PRE, MQ1, t, a1n, _within(t, T, EDGE), MH, H, HP)               # the queries' matrices
     mq2 = _matrices(HAS_POST, MQ2, t, a2n, _within(t, T, EDGE), MH, H, HP)
     s0 = _t(_dot_by_halves(Q, hh * sqh + tr * sqt, sqd, hm & _within(tr, T, EDGE), kt0, kt1, D, DP,
-                           PRECISION, DOT_MN)) * scale
-    x = _logits(s0, b, t, s, T, S, False, EDGE, MASK, smb, smh, smt, sms,
-                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K)   # (BS, BT, HP)
+                           PRECISION, DOT_MN))                               # unscaled
+    x = _logits(s0, scale, b, t, s, T, S, False, EDGE, MASK, smb, smh, smt, sms,
+                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K, True)   # (BS, BT, HP)
     stat = (b * H + h3) * T + tr
-    p = _exp(x, tl.load(LSE + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0), FAST_EXP)
+    p = _exp(x, tl.load(LSE + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0), _logit_scale(scale, HAS_MASK),
+             FAST_EXP)
     if EDGE:
         p = tl.where(tr < T, p, 0.0)
     tc = start + tl.arange(0, BT)[None, None, :]
     if HAS_POST:                                                        # dv first: p2 dies here
-        p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K)
+        p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K, True)
     else:
         p2 = _group(p, h0, HG)
     dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO, hg * sgh + tc * sgt, sgd, gm & _within(tc, T, EDGE),
@@ -666,14 +700,14 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
     if HAS_POST:
         if WANT_DMK2:
             dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-        dp = _compose(dp, mk2, HAS_MK2, mq2, True, True, 0, HP, MIX, DOT_MN, DOT_K)
+        dp = _compose(dp, mk2, HAS_MK2, mq2, True, True, 0, HP, MIX, DOT_MN, DOT_K, True)
     ds = p * (dp - tl.load(DELTA + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0))
     if HAS_PRE:
         if WANT_DMK1:
             dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
     if not DS_MAP:
         if HAS_PRE:
-            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K)
+            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True)
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q, hg * sqh + tc * sqt, sqd, gm & _within(tc, T, EDGE),
@@ -738,7 +772,7 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     if not DS_MAP:
         _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
     _store_t_halves(DV, out, sdd, gm & (sc < S), dvt0, dvt1, D, DP)
-    if WANT_DMK1:
-        _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)), b, s_idx, S, h0, 0, H)
+    if WANT_DMK1:                                                           # s0's scale applied here
+        _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)) * scale, b, s_idx, S, h0, 0, H)
     if WANT_DMK2:
         _store_matrix_grad(DMK2, dm2, b, s_idx, S, 0, h0, H)
