@@ -221,15 +221,17 @@ def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
 @pytest.mark.parametrize("H,candidate", [(6, 0), (6, 1), (9, 0), (9, 1)])
 def test_unmasked_block_candidates_and_the_score_gradient_map(monkeypatch, H, candidate):
     """Without a mask each kernel has larger blocks first (`block_sizes`): 32 queries in the
-    forward and 16 keys in the key kernel at 8 padded heads; at 16 padded heads 16 queries in
-    the query kernel and all heads in one key-kernel program, where dq and dk come from the
-    score-gradient map (`score_grad_map`) instead of the kernels. Each candidate (the second
+    forward, 32 keys in the query kernel and 16 keys in the key kernel at 8 padded heads; at
+    16 padded heads 16 queries in the query kernel and all heads in one key-kernel program,
+    where dq and dk come from the score-gradient map (`score_grad_map`) instead of the
+    kernels. Each candidate (the second
     where a kernel has one), strided q/k/v as the qkv projection gives them, every stage,
     against the float64 formula: the same output and gradients."""
     sizes = triton_core.block_sizes
     assert triton_core.score_grad_map(H) == (H > 8)
     firsts = {k: sizes(H, k)[0] for k in ("forward_kernel", "backward_query_kernel", "backward_key_kernel")}
-    assert (firsts["forward_kernel"]["BT"], firsts["backward_key_kernel"]["BS"]) == ((32, 16) if H <= 8 else (16, 8))
+    assert (firsts["forward_kernel"]["BT"], firsts["backward_query_kernel"]["BS"],
+            firsts["backward_key_kernel"]["BS"]) == ((32, 32, 16) if H <= 8 else (16, 16, 8))
     if H > 8:
         assert firsts["backward_key_kernel"]["G"] == 1 and firsts["backward_query_kernel"]["BT"] == 16
         assert sizes(H, "backward_key_kernel", mask=True)[0]["G"] == 2   # a mask keeps the smaller ones
