@@ -226,11 +226,11 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     heads split between two programs: 16-row blocks, and 8-row ones whose products pad their
     8 columns inside (`triton_attention._mm`): at 3 and 6 heads the 8-row ones spill nothing
     where the 16-row ones spill 12-204 B, yet they issue about 1.6 times the instructions.
-    Every candidate but the forward's at 16 padded heads states a thread's register bound,
-    ``maxnreg`` = `MAX_REGISTERS` (PTX ``.maxnreg``): without it ptxas fits some light
-    variants in 128 registers, for two blocks per SM, and spills a few bytes to do so; the
-    forward at 16 padded heads uses all 255 anyway, and stating it there made two masked
-    variants spill."""
+    Every candidate states a thread's register bound, ``maxnreg`` = `MAX_REGISTERS` (PTX
+    ``.maxnreg``): without it ptxas fits some light variants in 128 registers, for two
+    blocks per SM, and spills a few bytes to do so (the forward at 16 padded heads went
+    without it until the scale was folded in: then two masked variants spilled with it, now
+    four of its 8-query variants spill without it)."""
     wide = _padded_heads(H) > 8
     padded = _rows_padded(arch)
     large = not mask and not padded                     # the larger blocks, first: fewer instructions
@@ -250,8 +250,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
             blocks = ([(16, 32, 1)] if large and unpadded_mix else []) + [(16, 16, 1)]
     else:
         blocks = ([(16, 16, 1)] if large and unpadded_mix and not wide else []) + [(16, 8, g)]
-    maxnreg = None if wide and kernel == "forward_kernel" else MAX_REGISTERS
-    return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=maxnreg) for bt, bs, g in blocks]
+    return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS) for bt, bs, g in blocks]
 
 
 def _rows_padded(arch: int) -> bool:
