@@ -389,11 +389,10 @@ def _logits(s0, scale, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, 
             CHAIN: tl.constexpr):
     """The logits after pre-compose (`_compose`'s CHAIN) and the mask, -inf at padded keys,
     in units of `_logit_scale` (unscaled without a mask), from the unscaled scores s0 = q·kᵀ
-    laid out (rows, cols, heads): pre-compose is linear, so it commutes with the scale. t,
-    s: query and key indices, (X, 1, 1) for
-    axis 0 and (Y, 1, 1) for axis 1 of the tile: axis 0 holds the queries when Q_SIDE,
-    else the keys. EDGE: the loop's block (axis 1) may run past its end; a whole one is not
-    masked (`_within`). A mask shared by the heads (not MASK_HEADS) is loaded as one (X, Y)
+    laid out (rows, cols, heads): pre-compose is linear, so it commutes with the scale.
+    t, s: query and key indices, (X, 1, 1) for axis 0 and (Y, 1, 1) for axis 1 of the tile:
+    axis 0 holds the queries when Q_SIDE, else the keys. EDGE: the loop's block (axis 1)
+    may run past its end; a whole one is not masked (`_within`). A mask shared by the heads (not MASK_HEADS) is loaded as one (X, Y)
     tile and broadcast. One per head is loaded in the tile's layout, but by the key kernel where
     `tl.dot` takes 8-row sides (3.5 on) as (heads, queries, keys) and permuted: in the
     tile's layout it spilled 8-16 B at 16 heads under 3.5 and 3.6, permuted under 3.4
@@ -684,8 +683,8 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
     x = _logits(s0, scale, b, t, s, T, S, False, EDGE, MASK, smb, smh, smt, sms,
                 mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K, True)   # (BS, BT, HP)
     stat = (b * H + h3) * T + tr
-    p = _exp(x, tl.load(LSE + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0), _logit_scale(scale, HAS_MASK),
-             FAST_EXP)
+    xs = _logit_scale(scale, HAS_MASK)
+    p = _exp(x, tl.load(LSE + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0), xs, FAST_EXP)
     if EDGE:
         p = tl.where(tr < T, p, 0.0)
     tc = start + tl.arange(0, BT)[None, None, :]
