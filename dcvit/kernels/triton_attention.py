@@ -192,6 +192,16 @@ def _exp(x, c, xs, FAST: tl.constexpr):
 
 
 @triton.jit
+def _by_lane(x):
+    """x (X, Y, heads) as (X, Y/8, 8, heads): y = 8j + i at [x, j, i]. Where Y is a tensor-core
+    product's rows, j runs within each thread and i over the 8 lanes that share its rows, so a
+    sum or maximum over the new axis 1 stays in each thread: a pass over the keys keeps its
+    per-row sums per (row, lane i, head) and reduces them over i once, after its loop, instead
+    of three warp shuffles per row and block."""
+    return tl.reshape(x, (x.shape[0], x.shape[1] // 8, 8, x.shape[2]))
+
+
+@triton.jit
 def _t(x):
     """(heads, cols, rows) -> (rows, cols, heads), and back."""
     return tl.permute(x, (2, 1, 0))
@@ -435,7 +445,7 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
                    PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                    FAST_EXP: tl.constexpr):
     """The forward over the BS keys from ``start``. Pass 1 (not OUT): state (m_i, l_i), the
-    running row statistics (the maximum in `_logits`' units); pass 2 (OUT): state, Oᵀ's
+    running row statistics (the maximum in `_logits`' units) per key lane (`_by_lane`); pass 2 (OUT): state, Oᵀ's
     accumulator. K, V, MK1, MK2 point at the sequence. EDGE: the block may run past S (the
     last one); else nothing is masked."""
     sr = start + tl.arange(0, BS)[None, :, None]
@@ -457,10 +467,11 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
         vt = tl.load(V + hg * svh + sc * svs + dc * svd, mask=gm & _within(sc, S, EDGE) & (dc < D), other=0.0)
         out = _mm(vt, _t(p).to(V.dtype.element_ty), state, PRECISION, DOT_MN, 1)
     else:
-        m_i, l_i = state
+        m_i, l_i = state                                                # (BT, 8, HP): per key lane
+        x = _by_lane(x)
         m_new = tl.maximum(m_i, tl.max(x, axis=1))                      # in x's units
         c = m_new * xs
-        l_i = l_i * _exp(m_i, c, xs, FAST_EXP) + tl.sum(_exp(x, c[:, None, :], xs, FAST_EXP), axis=1)
+        l_i = l_i * _exp(m_i, c, xs, FAST_EXP) + tl.sum(_exp(x, c[:, None, :, :], xs, FAST_EXP), axis=1)
         out = (m_new, l_i)
     return out
 
@@ -504,7 +515,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     MK2 += b * b2b
     whole = 0 if HAS_MASK else S - S % BS                                   # keys in whole blocks: unmasked
 
-    stats = (tl.full((BT, HP), -1e30, tl.float32), tl.zeros((BT, HP), tl.float32))
+    stats = (tl.full((BT, 8, HP), -1e30, tl.float32), tl.zeros((BT, 8, HP), tl.float32))   # per key lane
     for phase in tl.static_range(2):                                    # pass 1: row statistics
         if phase == 0 or not HAS_MASK:
             for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
@@ -512,8 +523,11 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                                        mq1, mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt,
                                        sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
                                        HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
-    m_i, l_i = stats
-    lse = m_i * _logit_scale(scale, HAS_MASK) + tl.log(l_i)
+    m_lane, l_lane = stats
+    xs = _logit_scale(scale, HAS_MASK)
+    m_i = tl.max(m_lane, axis=1)                                            # the lanes' statistics merged
+    l_i = tl.sum(l_lane * _exp(m_lane, m_i[:, None, :] * xs, xs, FAST_EXP), axis=1)
+    lse = m_i * xs + tl.log(l_i)
     t2 = t_idx[:, None]
     tl.store(LSE + (b * H + h2) * T + t2, lse, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
 
@@ -562,7 +576,7 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
             if WANT_DMQ2:
                 dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
             dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
-        out = (delta + tl.sum(p * dp, axis=1), dm2)
+        out = (delta + tl.sum(_by_lane(p * dp), axis=1), dm2)            # per key lane
     else:
         dqt0, dqt1, dm1t = state
         if HAS_POST:
@@ -630,7 +644,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     MK2 += b * b2b
     whole = 0 if HAS_MASK else S - S % BS                                   # keys in whole blocks: unmasked
 
-    state = (tl.zeros((BT, HP), tl.float32), tl.zeros((BT, HP, HG), tl.float32))   # delta, dMq2
+    state = (tl.zeros((BT, 8, HP), tl.float32), tl.zeros((BT, HP, HG), tl.float32))   # delta per key lane, dMq2
     for phase in tl.static_range(2):                                    # pass 1: delta, dMq2
         if phase == 0 or not HAS_MASK:
             for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
@@ -640,6 +654,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
                                      HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
                                      WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     delta, dm2 = state
+    delta = tl.sum(delta, axis=1)
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
     if WANT_DMQ2:                                                           # stored now: not live in pass 2
         _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H)
