@@ -228,14 +228,34 @@ def _matrices(HAS: tl.constexpr, M, rows, n_stride, rows_ok, MH: tl.constexpr, H
 
 
 @triton.jit
+def _operand_order(x, AXIS: tl.constexpr):
+    """x with its head axis AXIS (1 or 2; a multiple of 8 long) reordered in each group of 8:
+    position 4r + c takes head 2c + r. A TF32 product's accumulator holds, per thread, the
+    columns 2c and 2c + 1 of each group of 8; its A operand wants the columns c and c + 4.
+    Contracting over the heads in this order on both sides (the tile's columns, the matrices'
+    rows) changes no sum, and lets an accumulator's tile be the next product's A operand as it
+    is held, where `tl.dot` would otherwise move three quarters of it between lanes (a shuffle
+    and two selects a value)."""
+    if AXIS == 2:
+        out = tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], x.shape[1], x.shape[2] // 8, 4, 2)), (0, 1, 2, 4, 3)),
+                         (x.shape[0], x.shape[1], x.shape[2]))
+    else:
+        out = tl.reshape(tl.permute(tl.reshape(x, (x.shape[0], x.shape[1] // 8, 4, 2, x.shape[2])), (0, 1, 3, 2, 4)),
+                         (x.shape[0], x.shape[1], x.shape[2]))
+    return out
+
+
+@triton.jit
 def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, acc, MIX: tl.constexpr, DOT_MN: tl.constexpr,
-         DOT_K: tl.constexpr):
+         DOT_K: tl.constexpr, IN_PLACE: tl.constexpr = False):
     """``out[x, y, h] = acc[x, y, h] + Σ_g a[x, y, g] · m[x, g, h0 + h]``: an (X, Y, HP) float32
     tile times the matrices of the tokens on its axis 0 (`_matrices`), one batched product
     accumulating onto acc, for the HO output heads from h0: an (X, Y, HO) tile. TR applies
     the transposed matrices. Y under 16 (8 keys: the key kernel's query-side term) would be a
     product's rows, which a tensor-core product pads to 16: taken transposed instead,
-    ``(mᵀ aᵀ)ᵀ``, the 8 as its columns (the transposes fold into the caller's permutes)."""
+    ``(mᵀ aᵀ)ᵀ``, the 8 as its columns (the transposes fold into the caller's permutes).
+    IN_PLACE: a is held as a product with these rows left it (`_compose`'s FROM), and the
+    contraction is not padded: taken in `_operand_order`."""
     if a.shape[1] < 16 and HO == a.shape[2] and HO >= 16:
         if not TR:
             m = tl.permute(m, (0, 2, 1))                                    # m[x, h, g]
@@ -243,30 +263,40 @@ def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, acc, MIX: tl.constexpr, D
     else:
         if TR:
             m = tl.permute(m, (0, 2, 1))
-        out = _mm(a, _group(m, h0, HO), acc, MIX, DOT_MN, DOT_K)
+        m = _group(m, h0, HO)
+        if IN_PLACE and a.shape[2] >= DOT_K:
+            a = _operand_order(a, 2)
+            m = _operand_order(m, 1)
+        out = _mm(a, m, acc, MIX, DOT_MN, DOT_K)
     return out
 
 
 @triton.jit
 def _compose(a, m0, HAS0: tl.constexpr, m1, HAS1: tl.constexpr, TR: tl.constexpr, o0, HO: tl.constexpr,
-             MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr, CHAIN: tl.constexpr):
+             MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr, CHAIN: tl.constexpr,
+             FROM: tl.constexpr = 0):
     """``out[x, y, h] = Σ_g a[x, y, g] · (m0[x, g, o0 + h] + m1[y, g, o0 + h])`` for an (X, Y, HP)
     tile and the HO output heads from o0: m0 the matrices of the tokens of axis 0, m1 those
     of axis 1 (`_matrices`; either may be absent); TR: with the matrices transposed (a
     stage's backward). CHAIN: the second term's product accumulates onto the first's result
     (moved into its layout) instead of the two results being added (its result moved):
     the backward kernels issue 2-4 % fewer instructions so, the forward 3 % more
-    (docs/performance.md)."""
+    (docs/performance.md). FROM: the term whose product takes a in the layout a product left
+    it in, 1 (axis 0's) or 2 (axis 1's): a is an element-wise function of the output of a
+    `_compose` on the same axes, whose last product is its second term's when CHAIN, else its
+    first's (the compiler folds the sum into that product's accumulator). That term
+    contracts in `_operand_order` (`_mix`'s IN_PLACE). 0: a comes from elsewhere."""
     out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
-        out = _mix(a, m0, TR, o0, HO, out, MIX, DOT_MN, DOT_K)
+        out = _mix(a, m0, TR, o0, HO, out, MIX, DOT_MN, DOT_K, FROM == 1)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
         if CHAIN:
-            out = tl.permute(_mix(at, m1, TR, o0, HO, tl.permute(out, (1, 0, 2)), MIX, DOT_MN, DOT_K), (1, 0, 2))
+            out = tl.permute(_mix(at, m1, TR, o0, HO, tl.permute(out, (1, 0, 2)), MIX, DOT_MN, DOT_K, FROM == 2),
+                             (1, 0, 2))
         else:
             out += tl.permute(_mix(at, m1, TR, o0, HO, tl.zeros((a.shape[1], a.shape[0], HO), tl.float32), MIX,
-                                   DOT_MN, DOT_K), (1, 0, 2))
+                                   DOT_MN, DOT_K, FROM == 2), (1, 0, 2))
     return out
 
 
@@ -460,7 +490,7 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
     if OUT:
         p = _exp(x, lse[:, None, :], xs, FAST_EXP)
         if HAS_POST:
-            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K, False)
+            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K, False, 1)
         else:
             p = _group(p, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -585,7 +615,8 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
         if HAS_PRE:
             if WANT_DMQ1:
                 dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
-            ds = _compose(ds, mq1, True, mk1, HAS_MK1, True, h0, HG, MIX, DOT_MN, DOT_K, CHAIN)
+            ds = _compose(ds, mq1, True, mk1, HAS_MK1, True, h0, HG, MIX, DOT_MN, DOT_K, CHAIN,
+                          2 if CHAIN else 1)
         else:
             ds = _group(ds, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -686,8 +717,8 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
                WANT_DMK1: tl.constexpr, WANT_DMK2: tl.constexpr, DS_MAP: tl.constexpr, PRECISION: tl.constexpr,
                MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr, FAST_EXP: tl.constexpr):
     """The key kernel over the BT queries from ``start``: state (dkᵀ's and dvᵀ's halves,
-    dMk1ᵀ, dMk2). Q, DO, MQ1, MQ2 point at the sequence. EDGE: the block may run past T
-    (the last one); else its loads are unmasked."""
+    dMk1ᵀ, dMk2). Q, DO, LSE, DELTA, MQ1, MQ2 point at the sequence (offsets within it are
+    32-bit). EDGE: the block may run past T (the last one); else its loads are unmasked."""
     dkt0, dkt1, dvt0, dvt1, dm1t, dm2 = state
     tr = start + tl.arange(0, BT)[None, :, None]
     t = start + tl.arange(0, BT)[:, None, None]
@@ -697,14 +728,14 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
                            PRECISION, DOT_MN))                               # unscaled
     x = _logits(s0, scale, b, t, s, T, S, False, EDGE, MASK, smb, smh, smt, sms,
                 mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K, True)   # (BS, BT, HP)
-    stat = (b * H + h3) * T + tr
+    stat = h3 * T + tr
     xs = _logit_scale(scale, HAS_MASK)
     p = _exp(x, tl.load(LSE + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0), xs, FAST_EXP)
     if EDGE:
         p = tl.where(tr < T, p, 0.0)
     tc = start + tl.arange(0, BT)[None, None, :]
     if HAS_POST:                                                        # dv first: p2 dies here
-        p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K, True)
+        p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K, True, 2)
     else:
         p2 = _group(p, h0, HG)
     dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO, hg * sgh + tc * sgt, sgd, gm & _within(tc, T, EDGE),
@@ -721,7 +752,7 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
             dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
     if not DS_MAP:
         if HAS_PRE:
-            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True)
+            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True, 2)
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q, hg * sqh + tc * sqt, sqd, gm & _within(tc, T, EDGE),
@@ -768,6 +799,8 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
     DO += b * sgb
     MQ1 += b * a1b
     MQ2 += b * a2b
+    LSE += b * H * T                                                        # 32-bit offsets in the loop
+    DELTA += b * H * T
     whole = 0 if HAS_MASK else T - T % BT                                   # queries in whole blocks: unmasked
     DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dkᵀ, dvᵀ by halves of D:
     state = (tl.zeros((HG, DH, BS), tl.float32), tl.zeros((HG, DH, BS), tl.float32),   # 8 keys fill a tensor-core
