@@ -280,12 +280,13 @@ def _compose(a, m0, HAS0: tl.constexpr, m1, HAS1: tl.constexpr, TR: tl.constexpr
     of axis 1 (`_matrices`; either may be absent); TR: with the matrices transposed (a
     stage's backward). CHAIN: the second term's product accumulates onto the first's result
     (moved into its layout) instead of the two results being added (its result moved):
-    the backward kernels issue 2-4 % fewer instructions so, the forward 3 % more
-    (docs/performance.md). FROM: the term whose product takes a in the layout a product left
-    it in, 1 (axis 0's) or 2 (axis 1's): a is an element-wise function of the output of a
-    `_compose` on the same axes, whose last product is its second term's when CHAIN, else its
-    first's (the compiler folds the sum into that product's accumulator). That term
-    contracts in `_operand_order` (`_mix`'s IN_PLACE). 0: a comes from elsewhere."""
+    the backward kernels issue 2-4 % fewer instructions so and the forward's post-compose
+    0-3 % fewer, its pre-compose 3 % more (docs/performance.md). FROM: the term whose
+    product takes a in the layout a product left it in, 1 (axis 0's) or 2 (axis 1's): a is
+    an element-wise function of the output of a `_compose` on the same axes, whose last
+    product is its second term's when CHAIN, else its first's (the compiler folds the sum
+    into that product's accumulator). That term contracts in `_operand_order` (`_mix`'s
+    IN_PLACE). 0: a comes from elsewhere."""
     out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
         out = _mix(a, m0, TR, o0, HO, out, MIX, DOT_MN, DOT_K, FROM == 1)
@@ -490,7 +491,7 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
     if OUT:
         p = _exp(x, lse[:, None, :], xs, FAST_EXP)
         if HAS_POST:
-            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K, False, 1)
+            p = _compose(p, mq2, True, mk2, HAS_MK2, False, h0, HG, MIX, DOT_MN, DOT_K, True, 1)
         else:
             p = _group(p, h0, HG)
         sc = start + tl.arange(0, BS)[None, None, :]
@@ -752,7 +753,8 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
             dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
     if not DS_MAP:
         if HAS_PRE:
-            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True, 2)
+            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True)   # FROM 2:
+                                                                        # 8 B spilled (3.8: 3 heads sm_80, 6 sm_90)
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q, hg * sqh + tc * sqt, sqd, gm & _within(tc, T, EDGE),
