@@ -24,7 +24,9 @@ is, for every query t, the product ``(keys × heads) @ Mq[t]`` and its key-side 
 every key s, ``(queries × heads) @ Mk[s]``, so each stage is two batched `tl.dot` over the
 head axis, and each matrix gradient (``dMq[t] = Σ_s a[t,s,:]ᵀ d[t,s,:]``) is one more. Going
 between the layouts is a `tl.permute` (one pass through shared memory); nothing extracts
-heads one at a time. The head axis is padded to `HP` ≥ 8, the smallest contraction that a
+heads one at a time. A term whose input a product left in the threads that hold its rows
+takes it where it is, contracting over the heads in the TF32 operand's order
+(`_operand_order`), and sums over the keys stay per thread until a pass ends (`_by_lane`). The head axis is padded to `HP` ≥ 8, the smallest contraction that a
 float32 `tl.dot` takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
 lanes are masked. Where the running Triton's `tl.dot` wants more (3.4-3.7: a contraction of
 16; 3.4: 16 rows and columns too, `triton_core.dot_min`) `_mm` doubles the small side with
