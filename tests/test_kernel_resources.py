@@ -103,7 +103,7 @@ SASS = """
         /*0010*/                   IADD3 R2, R2, 0x1, RZ ;         /* 0x0000000102027810 */
         /*0020*/                   ISETP.GE.AND P0, PT, R2, 0x10, PT ;
         /*0030*/               @!P0 BRA 0x10 ;                     /* 0xfffffffc00f08947 */
-        /*0040*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0040*/                   SHFL.BFLY PT, R3, R2, 0x1, 0x1f ;
         /*0050*/               @!P0 BRA 0x40 ;
         /*0060*/                   EXIT ;
         /*0070*/                   BRA 0x70;
@@ -111,7 +111,20 @@ SASS = """
 
 
 def test_sass_loops_run_from_a_backward_branch_target_to_the_branch():
-    assert kernel_report._sass_figures(SASS) == {"sass": 8, "sass_loop": 5, "loops": [3, 2]}
+    assert kernel_report._sass_figures(SASS) == {"sass": 8, "sass_loop": 5, "loops": [3, 2], "loop_shuffles": 1}
+
+
+def test_forward_loops_move_nothing_between_lanes(rows):
+    """Without a mask the forward's loops hold no warp shuffle where Compose's mixing is not
+    padded in its contraction (Triton 3.8 on): its row sums stay per key lane
+    (`triton_attention._by_lane`) and its post-compose takes the softmax weights where the
+    pre-compose's product left them (`_operand_order`). Before both, 144 a block at 6
+    heads (48 for the sums, 96 to move the weights), docs/performance.md."""
+    from dcvit.kernels.triton_core import dot_min
+    if dot_min(32, 90)[2] > 8:
+        pytest.skip("this Triton's tl.dot takes Compose's 8-head mixing only padded, in bf16: another layout")
+    fwd = [r for r in rows if r["kernel"] == "forward_kernel" and not r["mask"] and "error" not in r]
+    assert fwd and not [f"{r['name']}: {r['loop_shuffles']}" for r in fwd if r["loop_shuffles"]]
 
 
 def test_warp_instructions_count_each_loop_once_per_block_visited():

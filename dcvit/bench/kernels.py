@@ -192,11 +192,14 @@ def _loops(ins: Sequence[tuple]) -> List[tuple]:
 
 def _sass_figures(sass: str) -> Dict:
     """Static instruction counts of one kernel's machine code (``cuobjdump -sass``): all of
-    them (``sass``), those inside its loops (``sass_loop``) and each loop's (``loops``, in
-    address order; 16 bytes an instruction)."""
+    them (``sass``), those inside its loops (``sass_loop``), each loop's (``loops``, in
+    address order; 16 bytes an instruction) and the warp shuffles inside them
+    (``loop_shuffles``: values moved between lanes, by a reduction or a layout change)."""
     ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = [(last - first) // 16 + 1 for first, last in _loops(ins)]
-    return dict(sass=len(ins), sass_loop=sum(loops), loops=loops)
+    spans = _loops(ins)
+    loops = [(last - first) // 16 + 1 for first, last in spans]
+    shuffles = sum(1 for a, text in ins if re.search(r"\bSHFL\b", text) and any(f <= a <= l for f, l in spans))
+    return dict(sass=len(ins), sass_loop=sum(loops), loops=loops, loop_shuffles=shuffles)
 
 
 def _specialize(backend, arg):

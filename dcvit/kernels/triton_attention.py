@@ -26,8 +26,9 @@ head axis, and each matrix gradient (``dMq[t] = Σ_s a[t,s,:]ᵀ d[t,s,:]``) is 
 between the layouts is a `tl.permute` (one pass through shared memory); nothing extracts
 heads one at a time. A term whose input a product left in the threads that hold its rows
 takes it where it is, contracting over the heads in the TF32 operand's order
-(`_operand_order`), and sums over the keys stay per thread until a pass ends (`_by_lane`). The head axis is padded to `HP` ≥ 8, the smallest contraction that a
-float32 `tl.dot` takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
+(`_operand_order`), and sums over the keys stay per thread until a pass ends (`_by_lane`).
+The head axis is padded to `HP` ≥ 8, the smallest contraction that a float32 `tl.dot`
+takes in Triton 3.8 and newer; padded heads, queries, keys and head-dim
 lanes are masked. Where the running Triton's `tl.dot` wants more (3.4-3.7: a contraction of
 16; 3.4: 16 rows and columns too, `triton_core.dot_min`) `_mm` doubles the small side with
 zeros between its values, inside the product, and drops the padding from the result: the
@@ -478,9 +479,9 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
                    PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
                    FAST_EXP: tl.constexpr):
     """The forward over the BS keys from ``start``. Pass 1 (not OUT): state (m_i, l_i), the
-    running row statistics (the maximum in `_logits`' units) per key lane (`_by_lane`); pass 2 (OUT): state, Oᵀ's
-    accumulator. K, V, MK1, MK2 point at the sequence. EDGE: the block may run past S (the
-    last one); else nothing is masked."""
+    running row statistics (the maximum in `_logits`' units) per key lane (`_by_lane`);
+    pass 2 (OUT): state, Oᵀ's accumulator. K, V, MK1, MK2 point at the sequence. EDGE: the
+    block may run past S (the last one); else nothing is masked."""
     sr = start + tl.arange(0, BS)[None, :, None]
     s = start + tl.arange(0, BS)[:, None, None]
     mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), MH, H, HP)    # the keys' matrices
@@ -754,9 +755,8 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
         if WANT_DMK1:
             dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
     if not DS_MAP:
-        if HAS_PRE:
-            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True)   # FROM 2:
-                                                                        # 8 B spilled (3.8: 3 heads sm_80, 6 sm_90)
+        if HAS_PRE:                                                     # not FROM 2 (in place): 8 B spilled
+            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True)   # (3.8, 3-6 heads)
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q, hg * sqh + tc * sqt, sqd, gm & _within(tc, T, EDGE),
