@@ -755,8 +755,8 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
         if WANT_DMK1:
             dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
     if not DS_MAP:
-        if HAS_PRE:                                                     # not FROM 2 (in place): 8 B spilled
-            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, True)   # (3.8, 3-6 heads)
+        if HAS_PRE:                                                     # unchained: in place and chained,
+            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, False, 2)   # 8 B spilled
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q, hg * sqh + tc * sqt, sqd, gm & _within(tc, T, EDGE),
