@@ -157,12 +157,12 @@ def works_for(device: str, dtype: torch.dtype, heads: int, head_dim: int) -> boo
 
 def known_to_spill(arch: int, heads: int) -> Optional[str]:
     """Why the running Triton's compilation of the kernels for ``heads`` heads is declined,
-    or None: under Triton 3.4 (`tl.dot` of 16 rows at least, `dot_min`) the backward kernels
-    spill 300-2,620 bytes a thread at 9-16 heads (docs/performance.md, "Under each Triton
+    or None: under Triton 3.4 (`tl.dot` of 16 rows at least, `dot_min`) the kernels spill
+    72-2,540 bytes a thread at 9-16 heads (docs/performance.md, "Under each Triton
     release"), where from 3.5 on every variant fits; the `compile` core serves there, and
     the Triton core can still be forced."""
     if _padded_heads(heads) > 8 and _rows_padded(arch):
-        return (f"under Triton {_TRITON_VERSION} the backward kernels spill 300-2,620 bytes a thread at "
+        return (f"under Triton {_TRITON_VERSION} the kernels spill 72-2,540 bytes a thread at "
                 f"9-16 heads; Triton 3.5 or newer runs them without spills")
     return None
 
