@@ -42,11 +42,13 @@ def rows():
 
 def test_production_variants_are_all_there(rows):
     """Every kernel, head count, target and candidate, with and without a mask (without one
-    the larger blocks come first, so there are more candidates)."""
-    from dcvit.kernels.triton_core import block_sizes
+    the larger blocks come first, so there are more candidates); the score-gradient map's
+    products kernel where the map is used (9-16 heads, no mask, Triton 3.5 on)."""
+    from dcvit.kernels.triton_core import block_sizes, score_grad_map
     unmasked = [r for r in rows if not r["mask"]]
     assert {(r["kernel"], r["H"], r["arch"]) for r in unmasked} == set(
-        itertools.product(kernel_report.KERNELS, HEADS, (80, 90)))
+        itertools.product(kernel_report.ATTENTION_KERNELS, HEADS, (80, 90))) | {
+        ("score_grad_products_kernel", H, a) for H in HEADS for a in (80, 90) if score_grad_map(H, a)}
     for mask in (False, True):
         want = [(k, H, a, c["BT"], c["BS"], c["G"]) for k in kernel_report.KERNELS for H in HEADS for a in (80, 90)
                 for c in block_sizes(H, k, a, mask)]
@@ -93,6 +95,9 @@ def test_machine_code_is_counted(rows):
     ok = [r for r in rows if "error" not in r]
     assert ok and all(0 < r["sass_loop"] < r["sass"] for r in ok)
     for r in ok:
+        if r["kernel"] == "score_grad_products_kernel":                 # one loop over the queries
+            assert len(r["loops"]) == 1, r["name"]
+            continue
         passes = 1 if r["kernel"] == "backward_key_kernel" else 2
         assert len(r["loops"]) == passes * (1 if r["mask"] else 2), r["name"]
 
@@ -141,6 +146,10 @@ def test_warp_instructions_count_each_loop_once_per_block_visited():
     assert kernel_report.warp_instructions(key, B=2, N=33) == 2 * 5 * 2 * 8 * (100 + 2 * 30 + 20)
     with pytest.raises(ValueError, match="expected 2"):
         kernel_report.warp_instructions(dict(key, loops=[50]), B=2, N=33)
+    products = dict(kernel="score_grad_products_kernel", H=12, BT=16, BS=256, G=1, num_warps=8, sass=300,
+                    sass_loop=100, loops=[100])
+    # 2 sequences x 12 heads x 8 warps x (200 outside the loop + 3 query blocks x 100)
+    assert kernel_report.warp_instructions(products, B=2, N=33) == 2 * 12 * 8 * (200 + 3 * 100)
 
 
 def test_progress_passes_every_row_in_order_with_and_without_tqdm(monkeypatch, capsys):

@@ -240,6 +240,21 @@ def test_unmasked_block_candidates_and_the_score_gradient_map(monkeypatch, H, ca
     _assert_matches(*_case(2, H, 37, 37, 32, mask=None, seed=31, strided=True), scale=32 ** -0.5)
 
 
+@pytest.mark.parametrize("max_keys", [256, 16], ids=["one-kernel", "two-products"])
+def test_score_gradient_map_products(monkeypatch, max_keys):
+    """dq and dk from the score-gradient map: by `score_grad_products_kernel`, which reads
+    the map once with all keys in one program (S ≤ `PRODUCTS_MAX_KEYS`), or else by two
+    batched products; 21 queries (a partial block) by 37 keys (padded to 64):
+    the formula's gradients either way."""
+    launched = []
+    run = triton_core._launch_products
+    monkeypatch.setattr(triton_core, "_launch_products", lambda *a: (launched.append(a[1:3]), run(*a)))
+    monkeypatch.setattr(triton_core, "PRODUCTS_MAX_KEYS", max_keys)
+    assert triton_core.score_grad_map(9)
+    _assert_matches(*_case(2, 9, 21, 37, 32, mask=None, seed=37), scale=32 ** -0.5)
+    assert launched == ([(2, 9)] if max_keys >= 37 else [])
+
+
 def test_head_groups_in_every_kernel(monkeypatch):
     """Every kernel takes a head split (G = 2: each program accumulates and writes half the
     heads), though only the key kernel's candidates use one: the same output and gradients

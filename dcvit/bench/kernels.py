@@ -43,8 +43,10 @@ import sys
 import tempfile
 from typing import Dict, Iterable, List, Optional, Sequence
 
-KERNELS = ("forward_kernel", "backward_query_kernel", "backward_key_kernel")
-SHORT = {"forward_kernel": "fwd", "backward_query_kernel": "bwd_q", "backward_key_kernel": "bwd_k"}
+ATTENTION_KERNELS = ("forward_kernel", "backward_query_kernel", "backward_key_kernel")
+KERNELS = ATTENTION_KERNELS + ("score_grad_products_kernel",)     # the last where the map is used
+SHORT = {"forward_kernel": "fwd", "backward_query_kernel": "bwd_q", "backward_key_kernel": "bwd_k",
+         "score_grad_products_kernel": "products"}
 DTYPES = ("bf16", "fp16", "fp32")
 # A Compose stage: absent, query-side matrices only, or both sides.
 STAGES = ("", "q", "qk")
@@ -133,14 +135,16 @@ def _captured_launches(arch: int):
     of compute capability ``arch`` (not the interpreter's precision)."""
     from dcvit.kernels import triton_core
     seen: Dict[str, tuple] = {}
-    saved = triton_core._launch, triton_core.interpreted, triton_core._arch
+    saved = triton_core._launch, triton_core._launch_products, triton_core.interpreted, triton_core._arch
     triton_core._launch = lambda name, device, H, rows, block, B, args, kwargs: seen.__setitem__(name, (args, kwargs))
+    triton_core._launch_products = lambda device, B, H, args, kwargs: seen.__setitem__(
+        "score_grad_products_kernel", (args, kwargs))
     triton_core.interpreted = lambda: False
     triton_core._arch = lambda device: arch
     try:
         yield seen
     finally:
-        triton_core._launch, triton_core.interpreted, triton_core._arch = saved
+        triton_core._launch, triton_core._launch_products, triton_core.interpreted, triton_core._arch = saved
 
 
 def launch_arguments(v: Variant):
@@ -434,7 +438,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
     from dcvit.kernels.triton_core import block_sizes, dot_min, score_grad_map, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
-    grad_map = score_grad_map(H)                        # dq, dk left to two products (`grad_map_work`)
+    grad_map = score_grad_map(H)                        # dq, dk left to the map's products (`grad_map_work`)
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
     nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
@@ -487,11 +491,14 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
 
 
 def grad_map_work(B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, float]:
-    """dq = scale · ds k and dk = scale · dsᵀ q as two batched products (cuBLAS) on the
-    score-gradient map (`triton_core.score_grad_map`): their FLOPs on bf16 tensor cores, the
-    map read by each, q and k read and dq and dk written once."""
+    """dq = scale · ds k and dk = scale · dsᵀ q from the score-gradient map
+    (`triton_core.score_grad_map`): their FLOPs on bf16 tensor cores, q and k read and dq
+    and dk written once, and the map read once by `score_grad_products_kernel` where N ≤
+    `triton_core.PRODUCTS_MAX_KEYS`, else by each of two batched products (cuBLAS)."""
+    from dcvit.kernels.triton_core import PRODUCTS_MAX_KEYS
+    reads = 1 if N <= PRODUCTS_MAX_KEYS else 2
     return dict(bf16=2 * 2 * B * H * N * N * D, tf32=0, fp32=0, exp=0,
-                bytes=2 * B * H * N * N * half + 4 * B * N * H * D * half)
+                bytes=reads * B * H * N * N * half + 4 * B * N * H * D * half)
 
 
 def padding_work(B: int, H: int, N: int, matrices: int = 4) -> Dict[str, float]:
@@ -510,6 +517,9 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
     a mask (the variants estimated) each pass over the other axis is two loops
     (`triton_attention`): the last, partial block's, visited once where N leaves one, then
     the whole blocks', visited N // block times."""
+    if row["kernel"] == "score_grad_products_kernel":  # a program per (head, sequence), one loop over
+        per_program = row["sass"] - row["sass_loop"] + -(-N // row["BT"]) * sum(row["loops"])   # query blocks
+        return float(B * row["H"] * row["num_warps"] * per_program)
     nt, ns = -(-N // row["BT"]), -(-N // row["BS"])
     blocks, step = (ns, row["BT"]) if row["kernel"] == "backward_key_kernel" else (nt, row["BS"])
     passes = 1 if row["kernel"] == "backward_key_kernel" else 2
@@ -590,7 +600,7 @@ def _compiled_production(shapes: Sequence[tuple], jobs: int) -> tuple:
         return {}, "no cuobjdump next to Triton's ptxas"
     from dcvit.kernels.triton_core import block_sizes
     vs = [Variant(k, 90, H, D, "bf16", False, "qk", "qk", **block_sizes(H, k, 90)[0])
-          for H, D in shapes for k in KERNELS]
+          for H, D in shapes for k in KERNELS if block_sizes(H, k, 90)]
     rows = measure(vs, jobs)
     bad = [r["name"] for r in rows if "sass" not in r]
     if bad:
@@ -608,7 +618,7 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
     import timm
     import dcvit  # noqa: F401  (registers the DCViT models)
     from dcvit.accounting import analytic_macs
-    from dcvit.kernels.triton_core import pads_matrices, score_grad_map
+    from dcvit.kernels.triton_core import PRODUCTS_MAX_KEYS, pads_matrices, score_grad_map
     tri = triton_module()
     nets = {label: (timm.create_model(dc_name), timm.create_model(vit_name))
             for label, (dc_name, vit_name) in MODELS.items()}
@@ -623,15 +633,18 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
         (H, D), (dc_name, vit_name) = shapes[label], MODELS[label]
         N, depth = dc.patch_embed.num_patches + dc.num_prefix_tokens, len(dc.blocks)
         kernels = {}
-        for k in KERNELS:
+        for k in ATTENTION_KERNELS:
             w = kernels[SHORT[k]] = dict(kernel_work(k, batch, H, N, D))
             if compiled:
                 w["warp_instructions"] = warp_instructions(compiled[(k, H)], batch, N)
                 w["registers"] = compiled[(k, H)]["registers"]
             w.update(roofline_ms(w))
-        products = None                                 # by their work: cuBLAS's code is not Triton's to count
+        products = None                                 # cuBLAS's code (N > 256) is not Triton's to count
         if score_grad_map(H):
             products = grad_map_work(batch, H, N, D)
+            if compiled and ("score_grad_products_kernel", H) in compiled and N <= PRODUCTS_MAX_KEYS:
+                products["warp_instructions"] = warp_instructions(compiled[("score_grad_products_kernel", H)],
+                                                                  batch, N)
             products.update(roofline_ms(products))
         padding = None                                  # in each direction, memory-bound
         if pads_matrices(H, 90):
@@ -724,8 +737,9 @@ def backward_estimate(model: Dict) -> float:
 
 
 def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:
-    """On CUDA: each model's layer-shaped core timed (forward launch, backward's two launches,
-    and SDPA forward/backward on the same q, k, v), in ms, next to the estimates."""
+    """On CUDA: each model's layer-shaped core timed (forward launch, backward's launches, with
+    the score-gradient map's products where it is used, and SDPA forward/backward on the
+    same q, k, v), in ms, next to the estimates."""
     import torch
     import torch.nn.functional as F
     from triton.testing import do_bench

@@ -45,7 +45,7 @@ the operand of q·kᵀ and dO·vᵀ that a loop loads is loaded and multiplied i
 the head dim (`_dot_by_halves`), so half of it is live at a time, and so is the operand of
 each backward product into an accumulator over the head dim (dqᵀ, dkᵀ, dvᵀ, each held as
 its two halves: `_acc_by_halves`; the forward's Oᵀ spills less whole); and dq and dk are
-left to two products outside (``DS_MAP``, below), or else the key kernel splits its heads
+left to products outside (``DS_MAP``, below), or else the key kernel splits its heads
 between two programs (``G = 2``): each recomputes the scores and the full-width Compose
 steps, post-composes and back-composes only its heads' output columns, and takes its
 heads' columns of the other tiles from a split of the tile (`_group`).
@@ -61,8 +61,9 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
   ``delta[h,t] = Σ_s p·dp`` (the softmax backward's row term; with post-compose it is not
   ``Σ o·do``) and the query-side matrices' gradient dMq2; pass 2 gives dq and dMq1, or with
   ``DS_MAP`` writes the scores' gradient ds (B, H, T, S) in the operands' dtype where it
-  would multiply it by k (`triton_core.score_grad_map`: dq and dk are then two batched
-  products on it, and neither kernel holds their accumulators).
+  would multiply it by k (`triton_core.score_grad_map`: neither kernel then holds dq or dk
+  accumulators; `score_grad_products_kernel` reads the map once for both, up to 256 keys,
+  and two batched products take it beyond).
 * `backward_key_kernel`, one program per block of keys (and head group), looping over
   query blocks: dk (not with ``DS_MAP``), dv and the key-side matrices' gradients dMk1, dMk2, which are sums over
   *all* queries. A program owns its keys' (and heads') share of those sums, so they are
@@ -86,14 +87,14 @@ Loads and stores of q, k, v and their gradients go through explicit strides (the
 views of the qkv projection); each token's H×H matrix is contiguous (`triton_core` makes it
 so), so its (g, h) offsets are constants: vector loads and no address arithmetic per
 element. The kernels never import the dispatcher; `dcvit.kernels.triton_core`
-launches them. The module runs past 400 lines because the three kernels and the tile
+launches them. The module runs past 400 lines because the attention kernels and the tile
 helpers they share (`_mm`, `_mix`, `_compose`, the halved loads and accumulators) are read,
 compiled and checked for registers together (`dcvit.bench.kernels`).
 """
 import triton
 import triton.language as tl
 
-__all__ = ["forward_kernel", "backward_query_kernel", "backward_key_kernel"]
+__all__ = ["forward_kernel", "backward_query_kernel", "backward_key_kernel", "score_grad_products_kernel"]
 
 
 @triton.jit
@@ -827,3 +828,40 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)) * scale, b, s_idx, S, h0, 0, H)
     if WANT_DMK2:
         _store_matrix_grad(DMK2, dm2, b, s_idx, S, 0, h0, H)
+
+
+@triton.jit
+def _mm2(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` for 2-D tiles (`_dot`'s "exact" in the interpreter)."""
+    if PRECISION == "exact":
+        return acc + tl.reshape(_dot(a[None], b[None], PRECISION), (a.shape[0], b.shape[1]))
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def score_grad_products_kernel(DS, Q, K, DQ, DK, srb, srh, srt, srs, sqb, sqh, sqt, sqd, skb, skh, sks, skd,
+                               sab, sah, sat, sad, sbb, sbh, sbs, sbd, T, S, scale,
+                               D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr, BT: tl.constexpr,
+                               PRECISION: tl.constexpr):
+    """dq = scale · ds k and dk = scale · dsᵀ q from the score-gradient map DS (B, H, T, S)
+    (``DS_MAP``), reading it once: one program per (head, sequence) holds all S ≤ SP keys'
+    k and dk accumulator and runs over the queries in blocks of BT, each block's map rows
+    multiplied by k into its dq rows and, transposed, by its q rows into dk."""
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    s = tl.arange(0, SP)[:, None]
+    sr = tl.arange(0, SP)[None, :]
+    d = tl.arange(0, DP)[None, :]
+    k = tl.load(K + b * skb + h * skh + s * sks + d * skd, mask=(s < S) & (d < D), other=0.0)
+    DS += b * srb + h * srh
+    Q += b * sqb + h * sqh
+    DQ += b * sab + h * sah
+    dk = tl.zeros((SP, DP), tl.float32)
+    for start in range(0, T, BT):
+        t = start + tl.arange(0, BT)[:, None]
+        ds = tl.load(DS + t * srt + sr * srs, mask=(t < T) & (sr < S), other=0.0)        # (BT, SP)
+        q = tl.load(Q + t * sqt + d * sqd, mask=(t < T) & (d < D), other=0.0)
+        dq = _mm2(ds, k, tl.zeros((BT, DP), tl.float32), PRECISION)
+        tl.store(DQ + t * sat + d * sad, (dq * scale).to(DQ.dtype.element_ty), mask=(t < T) & (d < D))
+        dk = _mm2(tl.trans(ds), q, dk, PRECISION)
+    tl.store(DK + b * sbb + h * sbh + s * sbs + d * sbd, (dk * scale).to(DK.dtype.element_ty), mask=(s < S) & (d < D))

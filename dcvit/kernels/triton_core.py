@@ -5,8 +5,9 @@
 stage given as per-token H×H matrices ``(mq, mk)`` (`dcvit.matrices`): one Triton launch,
 returning the output (B, T, H, D) and each head's row log-sum-exp (B, H, T), the softmax
 statistics that ``attention_backward`` takes instead of the forward's (B, H, T, S) maps (two
-launches; at 9-16 heads without a mask also two batched products on the scores' gradient,
-which the first launch writes, `score_grad_map`).
+launches; at 9-16 heads without a mask a third on the scores' gradient, which the first
+launch writes, for dq and dk, or beyond `PRODUCTS_MAX_KEYS` keys two batched products:
+`score_grad_map`).
 The dispatcher plugs both into its custom op ``dcvit::composed_attention`` as the core
 ``"triton"`` (`dcvit.fused.register_core`), which carries the statistics from forward to
 backward and which ``torch.compile`` keeps as one node.
@@ -226,11 +227,16 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     heads split between two programs: 16-row blocks, and 8-row ones whose products pad their
     8 columns inside (`triton_attention._mm`): at 3 and 6 heads the 8-row ones spill nothing
     where the 16-row ones spill 12-204 B, yet they issue about 1.6 times the instructions.
+    The score-gradient map's products kernel (`score_grad_map`; else no candidate): 16
+    queries a step, all keys up to `PRODUCTS_MAX_KEYS` (BS), one program per (head, sequence).
     Every candidate states a thread's register bound, ``maxnreg`` = `MAX_REGISTERS` (PTX
     ``.maxnreg``): without it ptxas fits some light variants in 128 registers, for two
     blocks per SM, and spills a few bytes to do so (the forward at 16 padded heads went
     without it until the scale was folded in: then two masked variants spilled with it, now
     four of its 8-query variants spill without it)."""
+    if kernel == "score_grad_products_kernel":          # one program per (head, sequence), S ≤ BS keys
+        return ([dict(BT=PRODUCTS_ROWS, BS=PRODUCTS_MAX_KEYS, G=1, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS)]
+                if score_grad_map(H, arch, mask) else [])
     wide = _padded_heads(H) > 8
     padded = _rows_padded(arch)
     large = not mask and not padded                     # the larger blocks, first: fewer instructions
@@ -261,13 +267,15 @@ def _rows_padded(arch: int) -> bool:
 def score_grad_map(H: int, arch: int = 90, mask: bool = False) -> bool:
     """Whether the backward goes through a map of the scores' gradient ``ds = dL/ds0`` (B, H,
     T, S), in the operands' dtype: the query kernel writes it where it would multiply it by k,
-    and two batched products (cuBLAS) give ``dq = scale · ds k`` and ``dk = scale · dsᵀ q``;
-    neither kernel holds dq or dk accumulators. With 16 padded heads and no mask, from Triton
-    3.5 on: there the key kernel's dk accumulators would need its heads split between two
-    programs (each recomputing every head's scores and Compose), and the query kernel's dq
-    ones 8-query blocks; without them both take one program per 16 queries (3.8 on) or 8
-    keys, for about 0.6 times the instructions, against two products and the map's bytes
-    (docs/performance.md). With a mask, whose tile takes registers too, and under 3.4 the
+    and ``dq = scale · ds k`` and ``dk = scale · dsᵀ q`` come from it, by one kernel that
+    reads it once (`triton_attention.score_grad_products_kernel`, up to `PRODUCTS_MAX_KEYS`
+    keys: a program holds a head's k and dk for all of them) or beyond by two batched
+    products (cuBLAS); neither attention kernel holds dq or dk accumulators. With 16 padded
+    heads and no mask, from Triton 3.5 on: there the key kernel's dk accumulators would need
+    its heads split between two programs (each recomputing every head's scores and Compose),
+    and the query kernel's dq ones 8-query blocks; without them both take one program per 16
+    queries (3.8 on) or 8 keys, for about 0.6 times the instructions, against the products
+    and the map's bytes (docs/performance.md). With a mask, whose tile takes registers too, and under 3.4 the
     split stays, and the map would cost more than it saves. The map lives only while the
     backward runs (at B/16's shape and batch 256, 238 MB)."""
     return _padded_heads(H) > 8 and not mask and not _rows_padded(arch)
@@ -481,8 +489,25 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
         mask_args[0], *mat_ptrs,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *dk.stride(), *mask_args[1:],
         *strides, T, S, float(scale)), dict(flags, WANT_DMK1=wk1, WANT_DMK2=wk2, DS_MAP=by_product))
-    if by_product:                                                          # scale applied before rounding
+    if by_product and S <= PRODUCTS_MAX_KEYS:                               # the map read once
+        _launch_products(q.device, B, H, (ds, q, k, dq, dk, *ds.stride(), *q.stride(), *k.stride(), *dq.stride(),
+                                          *dk.stride(), T, S, float(scale)),
+                         dict(D=D, DP=flags["DP"], SP=max(16, _next_pow2(S)), PRECISION=flags["PRECISION"]))
+    elif by_product:                                                        # scale applied before rounding
         ds3 = ds.view(B * H, T, S)
         dq.view(B * H, T, D).baddbmm_(ds3, k.reshape(B * H, S, D), beta=0, alpha=scale)
         dk.view(B * H, S, D).baddbmm_(ds3.transpose(1, 2), q.reshape(B * H, T, D), beta=0, alpha=scale)
     return [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
+
+
+PRODUCTS_MAX_KEYS = 256   # `score_grad_products_kernel`: a program holds all keys' k and dk
+PRODUCTS_ROWS = 16        # queries per step of it
+
+
+def _launch_products(device: torch.device, B: int, H: int, args: Sequence, kwargs: Dict) -> None:
+    """Launch `triton_attention.score_grad_products_kernel`, one program per (head,
+    sequence): dq and dk from the score-gradient map where S ≤ `PRODUCTS_MAX_KEYS`."""
+    c = block_sizes(H, "score_grad_products_kernel", _arch(device))[0]
+    _kernels(device).score_grad_products_kernel[(H, B)](
+        *args, BT=c["BT"], num_warps=c["num_warps"], num_stages=c["num_stages"], maxnreg=c["maxnreg"],
+        **COMPILE_OPTIONS, **kwargs)
