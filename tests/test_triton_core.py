@@ -625,6 +625,16 @@ def test_vit_small_shape():
 
 
 @pytest.mark.slow
+def test_vit_base_shape():
+    """ViT-B's real attention shape (12 heads, 197 tokens, head dim 64) without a mask, as
+    DCViT-B trains: the score-gradient map, and its products kernel with all 197 keys in one
+    program (padded to 256)."""
+    assert triton_core.score_grad_map(12) and 197 <= triton_core.PRODUCTS_MAX_KEYS
+    _assert_matches(*_case(1, 12, 197, 197, 64, mask=None, seed=15, strided=True), scale=64 ** -0.5,
+                    atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("T,S", [(20, 1030), (1030, 20)])
 def test_long_sequences(T, S):
     """1030 keys (9 blocks of 128, looped over by each query block) and 1030 queries (65
