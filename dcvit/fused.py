@@ -40,8 +40,11 @@ this module (kernels never import it): the C++ core for ``"cpu"``, the Triton co
     # stats(q, k, v) -> an empty tensor shaped as forward's statistics (fake-tensor rule)
 
 with the op's arguments: q, k, v (B, H, N, D) on any strides, mask additive and
-broadcastable to (B, H, T, S) or None, mq* (B|1, T|1, H, H), mk* (B, S, H, H) or None,
-``grad`` of the output's (B, H, T, D) view, ``want`` the matrix gradients autograd needs.
+broadcastable to (B, H, T, S) or None, mq* (B|1, T|1, H, H), mk* (B, S, H, H) or None
+(for the Triton core as its kernels read them, `triton_core.kernel_matrices`: zero-padded
+to 8 × 8 at up to 7 heads from Triton 3.8 on, before the op, so that autograd keeps them
+so for the backward), ``grad`` of the output's (B, H, T, D) view, ``want`` the matrix
+gradients autograd needs.
 A kernel given operands it cannot take raises; `select_impl` never sends it those. The op
 returns the statistics beside the output (a zero-size tensor for a core that keeps none,
 such as the C++ one) and hands them, as they are, to the backward.
@@ -469,6 +472,8 @@ def composed_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     dtype = q.dtype
     if impl == "cpp" and dtype in _CPP_CAST:
         q, k, v = q.float(), k.float(), v.float()
+    if impl == "triton":                    # padded here, so that the op saves them padded for its backward
+        mats = ComposeMatrices(*_triton().kernel_matrices(mats, q.shape[1], q.device))
     out, _ = _attention_op(q, k, v, mask, *mats, impl, float(scale), int(compose_macs))
     return out.to(dtype).transpose(1, 2)
 

@@ -84,9 +84,8 @@ def _kernel_times(out: Path, figures: List[Dict[str, Any]]) -> List[Dict[str, An
                 k = model["kernels"]
                 products = model.get("products") or {}
                 pad = (model.get("padding") or {}).get("estimate", 0.0)
-                est = {"forward": k["fwd"]["estimate"] + pad,
-                       "backward": (k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + products.get("estimate", 0.0)
-                                    + pad),
+                est = {"forward": k["fwd"]["estimate"] + pad,            # the matrices padded once
+                       "backward": k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + products.get("estimate", 0.0),
                        "sdpa_forward": model["sdpa"]["forward"]["estimate"],
                        "sdpa_backward": model["sdpa"]["backward"]["estimate"]}[name]
             rows.append({"model": label, "what": name + " ms", "estimate": est,

@@ -85,14 +85,15 @@ def test_the_score_gradient_map_is_priced_where_it_is_used(estimate):
     assert kernels.backward_estimate(base) == pytest.approx(
         base["kernels"]["bwd_q"]["estimate"] + base["kernels"]["bwd_k"]["estimate"] + base["products"]["estimate"])
     assert kernels.backward_estimate(small) == pytest.approx(
-        small["kernels"]["bwd_q"]["estimate"] + small["kernels"]["bwd_k"]["estimate"] + small["padding"]["estimate"])
+        small["kernels"]["bwd_q"]["estimate"] + small["kernels"]["bwd_k"]["estimate"])
 
 
 def test_the_matrices_padded_copy_is_priced_where_it_is_made(estimate):
     """At up to 7 heads (S/16), from Triton 3.8 on, the four matrices are copied zero-padded to
-    8×8 per token (`triton_core.pads_matrices`) in the forward and again in the backward:
-    read as H×H and written as 8×8 float32, memory-bound; both passes' estimates and the
-    layers' cores include it. B/16 (12 heads) takes its matrices as they are."""
+    8×8 per token (`triton_core.pads_matrices`) once a layer, before the forward (autograd
+    keeps them padded for the backward): read as H×H and written as 8×8 float32,
+    memory-bound; the forward's estimate and the layers' cores include it, and the kernels
+    read and write 8×8 matrices. B/16 (12 heads) takes its matrices as they are."""
     from dcvit.bench import kernels
     from dcvit.kernels.triton_core import pads_matrices
     small, base = estimate["models"]["S/16"], estimate["models"]["B/16"]
@@ -105,6 +106,8 @@ def test_the_matrices_padded_copy_is_priced_where_it_is_made(estimate):
     assert kernels.forward_estimate(small) == pytest.approx(small["kernels"]["fwd"]["estimate"] + pad["estimate"])
     total = kernels.forward_estimate(small) + kernels.backward_estimate(small)
     assert small["core_ms"]["dcvit"] == pytest.approx(small["depth"] * total)
+    tok = B * N * H                     # the forward: q, k, v and 4 padded matrices read; o, lse written
+    assert small["kernels"]["fwd"]["bytes"] == 4 * tok * small["head_dim"] * 2 + tok * 4 + 4 * B * N * 8 * 8 * 4
 
 
 def test_cuda_plan_fits_500_s_from_the_estimate_most_valuable_first(planner, step_ms):

@@ -255,6 +255,28 @@ def test_score_gradient_map_products(monkeypatch, max_keys):
     assert launched == ([(2, 9)] if max_keys >= 37 else [])
 
 
+def test_matrices_padded_once_a_layer(monkeypatch):
+    """Where the kernels take the matrices zero-padded (`pads_matrices`: up to 7 heads, Triton
+    3.8 on) the dispatcher pads them before its op (`kernel_matrices`), so that autograd keeps
+    the padded ones: the forward pads each matrix once, the backward none, and the gradients
+    reach the unpadded matrices as the formula gives them."""
+    if not triton_core.pads_matrices(3):
+        pytest.skip("this Triton's kernels take the matrices unpadded")
+    inputs, mask, mats = _case(1, 3, 13, 11, 16, seed=19)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs + mats]
+    padded, pad = [], torch.nn.functional.pad
+    monkeypatch.setattr(torch.nn.functional, "pad",
+                        lambda x, *a, **k: (padded.append(tuple(x.shape)), pad(x, *a, **k))[1])
+    out = _kernel(*leaves[:3], mask, *leaves[3:], 0.35)
+    assert sorted(padded) == sorted(tuple(m.shape) for m in mats)
+    padded.clear()
+    grads = torch.autograd.grad(out, leaves, torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+    assert padded == []
+    _, want = _grads(_reference64, inputs, mask, mats, 0.35)
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a.double(), b.double(), atol=_scaled(1e-5, b), rtol=1e-5)
+
+
 def test_head_groups_in_every_kernel(monkeypatch):
     """Every kernel takes a head split (G = 2: each program accumulates and writes half the
     heads), though only the key kernel's candidates use one: the same output and gradients

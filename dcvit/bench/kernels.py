@@ -436,7 +436,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
     stage the tile, whose cast the compiled kernels share between the two sides, and each
     side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
-    from dcvit.kernels.triton_core import block_sizes, dot_min, score_grad_map, _padded_heads
+    from dcvit.kernels.triton_core import block_sizes, dot_min, pads_matrices, score_grad_map, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     grad_map = score_grad_map(H)                        # dq, dk left to the map's products (`grad_map_work`)
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
@@ -478,12 +478,14 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     else:
         tf32, cast_ops = stages * compose + grads * dm, 0
     tok = B * N * H                                     # (token, head) pairs
+    side = hp if pads_matrices(H, 90) else H           # the matrices' rows, as the kernels read them
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
-    # statistics, (B, N, H, H) float32 matrices (4 read; matrix gradients written)
+    # statistics, (B, N, side, side) float32 matrices (4 read; matrix gradients written)
     reads, writes = {"forward_kernel": ((3, 0, 4), (1, 1, 0)),
                      "backward_query_kernel": ((4, 1, 4), (0 if grad_map else 1, 1, 2)),
                      "backward_key_kernel": ((4, 2, 4), (1 if grad_map else 2, 0, 2))}[kernel]
-    nbytes = sum(n * size for n, size in zip(reads + writes, 2 * (tok * D * half, tok * 4, tok * H * 4)))
+    sizes = (tok * D * half, tok * 4, B * N * side * side * 4)
+    nbytes = sum(n * size for n, size in zip(reads + writes, 2 * sizes))
     if grad_map and kernel == "backward_query_kernel":
         nbytes += B * H * N * N * half                  # the score-gradient map written
     return dict(bf16=pairs * bf16, tf32=pairs * tf32, fp32=pairs * (tile * ops + cast_ops), exp=pairs * tile * exps,
@@ -503,8 +505,9 @@ def grad_map_work(B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, fl
 
 def padding_work(B: int, H: int, N: int, matrices: int = 4) -> Dict[str, float]:
     """The four Compose matrices copied zero-padded to HP×HP per token
-    (`triton_core.pads_matrices`), once in the forward and once in the backward: each read
-    (H×H float32) and written (HP×HP) once."""
+    (`triton_core.pads_matrices`), once a layer, before the forward (`kernel_matrices`:
+    autograd keeps the padded ones for the backward): each read (H×H float32) and written
+    (HP×HP) once."""
     from dcvit.kernels.triton_core import _padded_heads
     return dict(bf16=0, tf32=0, fp32=0, exp=0, bytes=matrices * 4 * B * N * (H * H + _padded_heads(H) ** 2))
 
@@ -650,7 +653,7 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
         if pads_matrices(H, 90):
             padding = padding_work(batch, H, N)
             padding.update(roofline_ms(padding))
-        extra = (products["estimate"] if products else 0.0) + (2 * padding["estimate"] if padding else 0.0)
+        extra = (products["estimate"] if products else 0.0) + (padding["estimate"] if padding else 0.0)
         sdpa = sdpa_work(batch, H, N, D)
         for w in sdpa.values():
             w.update(roofline_ms(w))
@@ -694,7 +697,7 @@ def estimate_table(est: Dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, m in est["models"].items():
         rows = (list(m["kernels"].items()) + ([("dq, dk products", m["products"])] if m.get("products") else [])
-                + ([("matrices padded (each pass)", m["padding"])] if m.get("padding") else [])
+                + ([("matrices padded (forward)", m["padding"])] if m.get("padding") else [])
                 + [(f"SDPA {k}", w) for k, w in m["sdpa"].items()]
                 + [(f"`compile` core {k}", w) for k, w in m["compile_core"].items()])
         for name, w in rows:
@@ -717,7 +720,7 @@ def estimate_table(est: Dict) -> str:
 
 
 def _padding_ms(model: Dict) -> float:
-    """The matrices' padded copy in one direction (`padding_work`), or 0."""
+    """The matrices' padded copy (`padding_work`, before the forward), or 0."""
     return model["padding"]["estimate"] if model.get("padding") else 0.0
 
 
@@ -728,12 +731,11 @@ def forward_estimate(model: Dict) -> float:
 
 
 def backward_estimate(model: Dict) -> float:
-    """One layer's backward in ms as `estimate` gives it: the two kernels, where the
-    score-gradient map is used the products that give dq and dk, and where the matrices are
-    padded their copy."""
+    """One layer's backward in ms as `estimate` gives it: the two kernels and, where the
+    score-gradient map is used, the products that give dq and dk (the matrices come padded
+    from the forward)."""
     k, products = model["kernels"], model.get("products")
-    return (k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + (products["estimate"] if products else 0.0)
-            + _padding_ms(model))
+    return k["bwd_q"]["estimate"] + k["bwd_k"]["estimate"] + (products["estimate"] if products else 0.0)
 
 
 def measure_on_gpu(est: Dict, steps: int = 20) -> Dict:

@@ -328,13 +328,20 @@ def _matrix_grad(acc, a, d, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.c
 
 
 @triton.jit
-def _store_matrix_grad(DM, acc, b, idx, N, g0, h0, H: tl.constexpr):
-    """acc[x, g, h] -> DM[b, idx[x], g0 + g, h0 + h] of a contiguous (B, N, H, H) float32
-    tensor."""
+def _store_matrix_grad(DM, acc, b, idx, N, g0, h0, H: tl.constexpr, MH: tl.constexpr):
+    """acc[x, g, h] -> DM[b, idx[x], g0 + g, h0 + h] of a contiguous (B, N, MH, MH) float32
+    tensor, the matrices' shape (`_matrices`). Where they are padded (MH > H), zeros at the
+    padding's entries (constants, not parameters), each thread's stores two floats wide: as
+    wide as 8-float rows allow, the compiler gathers the accumulator for 16-byte stores and
+    the key kernel spilled 8-56 B (3-6 heads)."""
     n = idx[:, None, None]
     g = g0 + tl.arange(0, acc.shape[1])[None, :, None]
     h = h0 + tl.arange(0, acc.shape[2])[None, None, :]
-    tl.store(DM + ((b * N + n) * H + g) * H + h, acc, mask=(g < H) & (h < H) & (n < N))
+    if MH == H:
+        tl.store(DM + ((b * N + n) * H + g) * H + h, acc, mask=(g < H) & (h < H) & (n < N))
+    else:
+        off = tl.max_contiguous(((b * N + n) * MH + g) * MH + h, [1, 1, 2])
+        tl.store(DM + off, tl.where((g < H) & (h < H), acc, 0.0), mask=(g < MH) & (h < MH) & (n < N))
 
 
 @triton.jit
@@ -693,7 +700,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     delta = tl.sum(delta, axis=1)
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
     if WANT_DMQ2:                                                           # stored now: not live in pass 2
-        _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H)
+        _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H, MH)
 
     DH: tl.constexpr = DP // 2 if DP >= 32 else DP                          # dqᵀ by halves of D
     state = (tl.zeros((HG, DH, BT), tl.float32), tl.zeros((HG, DH, BT), tl.float32),   # dqᵀ, dMq1ᵀ: 8 queries,
@@ -710,7 +717,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     if not DS_MAP:
         _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:                                                           # s0's scale applied here
-        _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)) * scale, b, t_idx, T, h0, 0, H)
+        _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)) * scale, b, t_idx, T, h0, 0, H, MH)
 
 
 @triton.jit
@@ -825,9 +832,9 @@ def backward_key_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DMK1, DMK2, MASK, MQ1, 
         _store_t_halves(DK, out, sdd, gm & (sc < S), dkt0 * scale, dkt1 * scale, D, DP)
     _store_t_halves(DV, out, sdd, gm & (sc < S), dvt0, dvt1, D, DP)
     if WANT_DMK1:                                                           # s0's scale applied here
-        _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)) * scale, b, s_idx, S, h0, 0, H)
+        _store_matrix_grad(DMK1, tl.permute(dm1t, (0, 2, 1)) * scale, b, s_idx, S, h0, 0, H, MH)
     if WANT_DMK2:
-        _store_matrix_grad(DMK2, dm2, b, s_idx, S, 0, h0, H)
+        _store_matrix_grad(DMK2, dm2, b, s_idx, S, 0, h0, H, MH)
 
 
 @triton.jit

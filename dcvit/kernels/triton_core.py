@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for", "known_to_spill",
-           "score_grad_map", "pads_matrices", "attention_forward", "attention_backward", "block_sizes",
-           "MAX_HEADS"]
+           "score_grad_map", "pads_matrices", "kernel_matrices", "attention_forward", "attention_backward",
+           "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
 MAX_REGISTERS = 255       # a thread's registers: the hardware's bound, stated to ptxas (`block_sizes`)
@@ -399,27 +399,34 @@ def pads_matrices(H: int, arch: int = 90) -> bool:
     return H < _padded_heads(H) == 8 and dot_min(32, arch)[2] <= 8
 
 
-def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]], pad: bool):
-    """The mask as a float32 additive 4-D tensor (bool: True = keep) and the matrices in
-    float32, each token's H×H matrix contiguous (the kernels index it with constant offsets:
-    a fifth fewer instructions at 12 heads than with its strides as arguments), zero-padded
-    to HP×HP where ``pad`` (`pads_matrices`)."""
+def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]], H: int, device: torch.device):
+    """The mask as a float32 additive 4-D tensor (bool: True = keep) and the matrices as the
+    kernels read them (`kernel_matrices`)."""
     if mask is not None:
         if mask.dtype == torch.bool:
             mask = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
         mask = mask.to(torch.float32)
         while mask.dim() < 4:
             mask = mask.unsqueeze(0)
-    return mask, [None if m is None else _kernel_matrices(m.to(torch.float32), pad) for m in mats]
+    return mask, kernel_matrices(mats, H, device)
 
 
-def _kernel_matrices(m: Tensor, pad: bool) -> Tensor:
-    """m (B|1, N|1, H, H) float32 as the kernels read it: each matrix contiguous, padded
-    with zeros to HP×HP where ``pad`` (its broadcast dims kept)."""
-    H = m.shape[-1]
-    if pad:
-        return torch.nn.functional.pad(m, (0, _padded_heads(H) - H, 0, _padded_heads(H) - H))
-    return _contiguous_matrices(m)
+def kernel_matrices(mats: Sequence[Optional[Tensor]], H: int, device: torch.device) -> List[Optional[Tensor]]:
+    """The matrices (B|1, N|1, H, H) as the kernels read them: float32, each token's matrix
+    contiguous (the kernels index it with constant offsets: a fifth fewer instructions at 12
+    heads than with its strides as arguments), zero-padded to HP×HP where `pads_matrices`
+    (broadcast dims kept); matrices already so are taken as they are. Differentiable: the
+    dispatcher calls it before its op, so that autograd keeps the padded matrices for the
+    backward, which then pads nothing (matrix gradients come back HP×HP for them)."""
+    side = _padded_heads(H) if pads_matrices(H, _arch(device)) else H
+    out: List[Optional[Tensor]] = []
+    for m in mats:
+        if m is not None:
+            m = m.to(torch.float32)
+            pad = side - m.shape[-1]
+            m = torch.nn.functional.pad(m, (0, pad, 0, pad)) if pad else _contiguous_matrices(m)
+        out.append(m)
+    return out
 
 
 def _contiguous_matrices(m: Tensor) -> Tensor:
@@ -434,7 +441,7 @@ def attention_forward(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor],
     _check(q, k, v)
     B, H, T, D = q.shape
     S = k.shape[2]
-    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2), pads_matrices(H, _arch(q.device)))
+    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2), H, q.device)
     if mask is not None:
         mask = mask.expand(B, H, T, S)
     out = v.new_empty(B, T, H, D)
@@ -457,20 +464,23 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     (B, T, H, D) and the statistics ``lse`` that `attention_forward` returned; ``want``
     skips matrix gradients nobody needs (None). Matrix gradients come back per token,
     (B, T, H, H) / (B, S, H, H) float32, whatever the matrices' broadcast shapes (the
-    dispatcher sums them down)."""
+    dispatcher sums them down); HP×HP for matrices given padded (`kernel_matrices`)."""
     if lse is None:
         raise ValueError("the Triton attention core's backward needs the forward's statistics "
                          "(lse); run attention_forward and pass its second result")
     B, H, T, D = q.shape
     S = k.shape[2]
-    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, (mq1, mk1, mq2, mk2), pads_matrices(H, _arch(q.device)))
+    given = (mq1, mk1, mq2, mk2)
+    mask, (mq1, mk1, mq2, mk2) = _prepare(mask, given, H, q.device)
     if mask is not None:
         mask = mask.expand(B, H, T, S)
     g = grad.transpose(1, 2)                                                 # (B, H, T, D)
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     mats = (mq1, mk1, mq2, mk2)
+    flags = _flags(q, mask, mats)
+    side = flags["MH"]                                                      # the gradients as the matrices
     wq1, wk1, wq2, wk2 = (w and m is not None for w, m in zip(want, mats))
-    dmq1, dmk1, dmq2, dmk2 = (q.new_empty(B, n, H, H, dtype=torch.float32) if w else None
+    dmq1, dmk1, dmq2, dmk2 = (q.new_empty(B, n, side, side, dtype=torch.float32) if w else None
                               for w, n in ((wq1, T), (wk1, S), (wq2, T), (wk2, S)))
     by_product = score_grad_map(H, _arch(q.device), mask is not None)
     ds = q.new_empty(B, H, T, S) if by_product else None                   # dL/ds0, for dq and dk
@@ -478,7 +488,6 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     mask_args = _mask_args(mask, lse)
     mat_ptrs = [lse if m is None else m for m in mats]
     strides = _matrix_strides(mats)
-    flags = _flags(q, mask, mats)
     _launch("backward_query_kernel", q.device, H, T, "BT", B, (
         q, k, v, g, lse, delta, dq, lse if dmq1 is None else dmq1, lse if dmq2 is None else dmq2,
         lse if ds is None else ds, mask_args[0], *mat_ptrs,
@@ -497,7 +506,9 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
         ds3 = ds.view(B * H, T, S)
         dq.view(B * H, T, D).baddbmm_(ds3, k.reshape(B * H, S, D), beta=0, alpha=scale)
         dk.view(B * H, S, D).baddbmm_(ds3.transpose(1, 2), q.reshape(B * H, T, D), beta=0, alpha=scale)
-    return [dq, dk, dv, dmq1, dmk1, dmq2, dmk2]
+    dms = [d if d is None or m.shape[-1] == side else d[..., :H, :H].contiguous()    # given unpadded
+           for d, m in zip((dmq1, dmk1, dmq2, dmk2), given)]
+    return [dq, dk, dv, *dms]
 
 
 PRODUCTS_MAX_KEYS = 256   # `score_grad_products_kernel`: a program holds all keys' k and dk
