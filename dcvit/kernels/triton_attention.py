@@ -871,4 +871,5 @@ def score_grad_products_kernel(DS, Q, K, DQ, DK, srb, srh, srt, srs, sqb, sqh, s
         dq = _mm2(ds, k, tl.zeros((BT, DP), tl.float32), PRECISION)
         tl.store(DQ + t * sat + d * sad, (dq * scale).to(DQ.dtype.element_ty), mask=(t < T) & (d < D))
         dk = _mm2(tl.trans(ds), q, dk, PRECISION)
-    tl.store(DK + b * sbb + h * sbh + s * sbs + d * sbd, (dk * scale).to(DK.dtype.element_ty), mask=(s < S) & (d < D))
+    tl.store(DK + b * sbb + h * sbh + s * sbs + d * sbd, (dk * scale).to(DK.dtype.element_ty),
+             mask=(s < S) & (d < D))

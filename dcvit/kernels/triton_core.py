@@ -40,6 +40,8 @@ __all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_o
 
 MAX_HEADS = 16
 MAX_REGISTERS = 255       # a thread's registers: the hardware's bound, stated to ptxas (`block_sizes`)
+PRODUCTS_MAX_KEYS = 256   # `score_grad_products_kernel`: a program holds all keys' k and dk
+PRODUCTS_ROWS = 16        # queries per step of it
 # Compile options every launch states (and `dcvit.bench.kernels` compiles with): floating-point
 # fusion, which the kernels' instruction counts assume (an exponential's argument is one FMA,
 # `triton_attention._exp`). Triton 3.9 warns when it is left to the default, which 3.10 turns off.
@@ -275,8 +277,8 @@ def score_grad_map(H: int, arch: int = 90, mask: bool = False) -> bool:
     its heads split between two programs (each recomputing every head's scores and Compose),
     and the query kernel's dq ones 8-query blocks; without them both take one program per 16
     queries (3.8 on) or 8 keys, for about 0.6 times the instructions, against the products
-    and the map's bytes (docs/performance.md). With a mask, whose tile takes registers too, and under 3.4 the
-    split stays, and the map would cost more than it saves. The map lives only while the
+    and the map's bytes (docs/performance.md). With a mask, whose tile takes registers too,
+    and under 3.4 the split stays, and the map would cost more than it saves. The map lives only while the
     backward runs (at B/16's shape and batch 256, 238 MB)."""
     return _padded_heads(H) > 8 and not mask and not _rows_padded(arch)
 
@@ -509,10 +511,6 @@ def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, mask: Opti
     dms = [d if d is None or m.shape[-1] == side else d[..., :H, :H].contiguous()    # given unpadded
            for d, m in zip((dmq1, dmk1, dmq2, dmk2), given)]
     return [dq, dk, dv, *dms]
-
-
-PRODUCTS_MAX_KEYS = 256   # `score_grad_products_kernel`: a program holds all keys' k and dk
-PRODUCTS_ROWS = 16        # queries per step of it
 
 
 def _launch_products(device: torch.device, B: int, H: int, args: Sequence, kwargs: Dict) -> None:
