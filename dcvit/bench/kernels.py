@@ -113,17 +113,24 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
              dtypes: Iterable[str] = DTYPES, archs: Iterable[int] = (80, 90),
              masks: Iterable[bool] = (False, True), stages: Optional[Sequence] = None,
              kernels: Iterable[str] = KERNELS, mask_heads: Iterable[bool] = (False,)) -> List[Variant]:
-    """Every combination, times every `block_sizes` candidate of its head count. ``stages``:
-    (pre, post) pairs from `STAGES`, default all nine; ``mask_heads``: a mask shared by every
-    head (False, as ViT's and DCViT's masks are), one per head (True), or both."""
+    """Every combination, times every `block_sizes` candidate of its head count (the
+    score-gradient map's products kernel, which no stage changes, once per target, heads,
+    head dim and dtype). ``stages``: (pre, post) pairs from `STAGES`, default all nine;
+    ``mask_heads``: a mask shared by every head (False, as ViT's and DCViT's masks are), one
+    per head (True), or both."""
     from dcvit.kernels.triton_core import block_sizes
     stages = list(stages) if stages is not None else list(itertools.product(STAGES, STAGES))
-    out = []
+    out, products = [], set()
     for kernel, arch, H, D, dtype, mask, by_head, (pre, post) in itertools.product(
             kernels, archs, heads, dims, dtypes, masks, mask_heads, stages):
         if by_head and not mask:
             continue
-        for c in block_sizes(H, kernel, arch, mask):
+        candidates = block_sizes(H, kernel, arch, mask)
+        if kernel == "score_grad_products_kernel" and candidates:   # the same whatever the stages: once
+            if (arch, H, D, dtype) in products:
+                continue
+            products.add((arch, H, D, dtype))
+        for c in candidates:
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
                                c["num_stages"], c["G"], c.get("maxnreg"), by_head))
     return out
