@@ -443,7 +443,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
     stage the tile, whose cast the compiled kernels share between the two sides, and each
     side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
-    from dcvit.kernels.triton_core import block_sizes, dot_min, pads_matrices, score_grad_map, _padded_heads
+    from dcvit.kernels.triton_core import block_sizes, dot_min, matrix_side, score_grad_map, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     grad_map = score_grad_map(H)                        # dq, dk left to the map's products (`grad_map_work`)
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
@@ -485,7 +485,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     else:
         tf32, cast_ops = stages * compose + grads * dm, 0
     tok = B * N * H                                     # (token, head) pairs
-    side = hp if pads_matrices(H, 90) else H           # the matrices' rows, as the kernels read them
+    side = matrix_side(H, 90)                           # the matrices' rows, as the kernels read them
     # tensors read and written once: (B, N, H, D) in the operands' dtype, (B, H, N) float32
     # statistics, (B, N, side, side) float32 matrices (4 read; matrix gradients written)
     reads, writes = {"forward_kernel": ((3, 0, 4), (1, 1, 0)),
@@ -652,7 +652,7 @@ def estimate(batch: int = 256, jobs: int = 2, issue: bool = True) -> Dict:
         products = None                                 # cuBLAS's code (N > 256) is not Triton's to count
         if score_grad_map(H):
             products = grad_map_work(batch, H, N, D)
-            if compiled and ("score_grad_products_kernel", H) in compiled and N <= PRODUCTS_MAX_KEYS:
+            if ("score_grad_products_kernel", H) in compiled and N <= PRODUCTS_MAX_KEYS:
                 products["warp_instructions"] = warp_instructions(compiled[("score_grad_products_kernel", H)],
                                                                   batch, N)
             products.update(roofline_ms(products))

@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for", "known_to_spill",
-           "score_grad_map", "pads_matrices", "kernel_matrices", "attention_forward", "attention_backward",
-           "block_sizes", "MAX_HEADS"]
+           "score_grad_map", "pads_matrices", "matrix_side", "kernel_matrices", "attention_forward",
+           "attention_backward", "block_sizes", "MAX_HEADS"]
 
 MAX_HEADS = 16
 MAX_REGISTERS = 255       # a thread's registers: the hardware's bound, stated to ptxas (`block_sizes`)
@@ -278,8 +278,8 @@ def score_grad_map(H: int, arch: int = 90, mask: bool = False) -> bool:
     and the query kernel's dq ones 8-query blocks; without them both take one program per 16
     queries (3.8 on) or 8 keys, for about 0.6 times the instructions, against the products
     and the map's bytes (docs/performance.md). With a mask, whose tile takes registers too,
-    and under 3.4 the split stays, and the map would cost more than it saves. The map lives only while the
-    backward runs (at B/16's shape and batch 256, 238 MB)."""
+    and under 3.4 the split stays, and the map would cost more than it saves. The map lives
+    only while the backward runs (at B/16's shape and batch 256, 238 MB)."""
     return _padded_heads(H) > 8 and not mask and not _rows_padded(arch)
 
 
@@ -360,7 +360,7 @@ def _flags(q: Tensor, mask: Optional[Tensor], mats: Sequence[Optional[Tensor]]) 
     return dict(H=H, D=D, HP=_padded_heads(H), DP=max(16, _next_pow2(D)), HAS_MASK=mask is not None,
                 MASK_HEADS=mask is not None and H > 1 and mask.stride(1) != 0,
                 HAS_PRE=mq1 is not None, HAS_MK1=mk1 is not None, HAS_POST=mq2 is not None,
-                HAS_MK2=mk2 is not None, MH=_padded_heads(H) if pads_matrices(H, _arch(q.device)) else H,
+                HAS_MK2=mk2 is not None, MH=matrix_side(H, _arch(q.device)),
                 PRECISION=_precision(q.dtype),
                 MIX=_mix_precision(q.dtype), DOT_MN=max(m, n), DOT_K=k, FAST_EXP=not interpreted())
 
@@ -401,6 +401,12 @@ def pads_matrices(H: int, arch: int = 90) -> bool:
     return H < _padded_heads(H) == 8 and dot_min(32, arch)[2] <= 8
 
 
+def matrix_side(H: int, arch: int = 90) -> int:
+    """The rows and columns of each token's matrix as the kernels read it (their MH): HP
+    where `pads_matrices`, else H."""
+    return _padded_heads(H) if pads_matrices(H, arch) else H
+
+
 def _prepare(mask: Optional[Tensor], mats: Sequence[Optional[Tensor]], H: int, device: torch.device):
     """The mask as a float32 additive 4-D tensor (bool: True = keep) and the matrices as the
     kernels read them (`kernel_matrices`)."""
@@ -420,7 +426,7 @@ def kernel_matrices(mats: Sequence[Optional[Tensor]], H: int, device: torch.devi
     (broadcast dims kept); matrices already so are taken as they are. Differentiable: the
     dispatcher calls it before its op, so that autograd keeps the padded matrices for the
     backward, which then pads nothing (matrix gradients come back HP×HP for them)."""
-    side = _padded_heads(H) if pads_matrices(H, _arch(device)) else H
+    side = matrix_side(H, _arch(device))
     out: List[Optional[Tensor]] = []
     for m in mats:
         if m is not None:
