@@ -141,6 +141,9 @@ def test_warp_instructions_count_each_loop_once_per_block_visited():
     # (30 + 40) + the partial one, 20 + 10)
     assert kernel_report.warp_instructions(row, B=2, N=33) == 2 * 3 * 8 * (100 + 2 * 70 + 30)
     assert kernel_report.warp_instructions(row, B=2, N=32) == 2 * 2 * 8 * (100 + 2 * 70)
+    # 32-key blocks: the forward's last 20 keys are two steps of `EDGE_BLOCK` (16) in each pass
+    wide = dict(row, BT=32, BS=32)
+    assert kernel_report.warp_instructions(wide, B=2, N=52) == 2 * 2 * 8 * (100 + 70 + 2 * 30)
     key = dict(row, kernel="backward_key_kernel", BS=8, G=2, sass=150, sass_loop=50, loops=[20, 30])
     # 2 sequences x 5 key blocks x 2 head groups x 8 warps x (100 + 2 whole query blocks x 30 + 20)
     assert kernel_report.warp_instructions(key, B=2, N=33) == 2 * 5 * 2 * 8 * (100 + 2 * 30 + 20)

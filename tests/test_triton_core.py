@@ -20,7 +20,7 @@ import dcvit  # noqa: E402
 from dcvit import fused  # noqa: E402
 from dcvit.fused import attention_impl  # noqa: E402
 from dcvit.matrices import ComposeMatrices  # noqa: E402
-from dcvit.kernels import triton_core  # noqa: E402
+from dcvit.kernels import triton_attention, triton_core  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and not triton_core.interpreted():
@@ -154,6 +154,15 @@ def test_whole_blocks_alone_and_a_partial_block_alone(T, S):
     _assert_matches(*_case(1, 3, T, S, 8, seed=T + S))
 
 
+@pytest.mark.parametrize("T,S", [(7, 52), (7, 28)])
+def test_the_forward_takes_its_last_keys_in_steps_of_sixteen(T, S):
+    """Without a mask the forward's 32-key blocks leave their last, partial block to steps of
+    `EDGE_BLOCK` (16) keys: 20 keys after a whole block are two such steps, 28 keys alone
+    too; every gradient still agrees (the backward's blocks are 16 wide)."""
+    assert triton_core.block_sizes(3)[0]["BS"] == 32 and triton_attention.EDGE_BLOCK.value == 16
+    _assert_matches(*_case(1, 3, T, S, 8, mask=None, seed=T + S))
+
+
 @pytest.mark.parametrize("mask,H", [(None, 3), ("full", 3), ("full", 9), ("bool", 3), ("large", 3)])
 def test_masks(mask, H):
     """Per head ("full"; 9 heads: 16 padded, the key kernel's heads in two groups) or one for
@@ -221,7 +230,7 @@ def test_sixteen_padded_heads_every_block_candidate(monkeypatch, fwd):
 @pytest.mark.parametrize("H,candidate", [(6, 0), (6, 1), (9, 0), (9, 1)])
 def test_unmasked_block_candidates_and_the_score_gradient_map(monkeypatch, H, candidate):
     """Without a mask each kernel has larger blocks first (`block_sizes`): 32 queries in the
-    forward, 32 keys in the query kernel and 16 keys in the key kernel at 8 padded heads; at
+    forward, 32 queries in the query kernel and 16 keys in the key kernel at 8 padded heads; at
     16 padded heads 16 queries in the query kernel and all heads in one key-kernel program,
     where dq and dk come from the score-gradient map (`score_grad_map`) instead of the
     kernels. Each candidate (the second
@@ -230,10 +239,10 @@ def test_unmasked_block_candidates_and_the_score_gradient_map(monkeypatch, H, ca
     sizes = triton_core.block_sizes
     assert triton_core.score_grad_map(H) == (H > 8)
     firsts = {k: sizes(H, k)[0] for k in ("forward_kernel", "backward_query_kernel", "backward_key_kernel")}
-    assert (firsts["forward_kernel"]["BT"], firsts["backward_query_kernel"]["BS"],
+    assert (firsts["forward_kernel"]["BT"], firsts["backward_query_kernel"]["BT"],
             firsts["backward_key_kernel"]["BS"]) == ((32, 32, 16) if H <= 8 else (16, 16, 8))
     if H > 8:
-        assert firsts["backward_key_kernel"]["G"] == 1 and firsts["backward_query_kernel"]["BT"] == 16
+        assert firsts["backward_key_kernel"]["G"] == 1
         assert sizes(H, "backward_key_kernel", mask=True)[0]["G"] == 2   # a mask keeps the smaller ones
     monkeypatch.setattr(triton_core, "block_sizes", lambda H, kernel="forward_kernel", arch=90, mask=False: [
         sizes(H, kernel, arch, mask)[min(candidate, len(sizes(H, kernel, arch, mask)) - 1)]])

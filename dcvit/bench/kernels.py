@@ -431,7 +431,8 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     sides, no mask, every matrix gradient wanted), counted from its loops with the blocks and
     head groups of the first `block_sizes` candidate and the padded head count (and rows: a
     tensor-core product pads 8 rows to 16, which one side of each Compose stage has when a
-    block is 8 rows, but for 16 output heads, `triton_attention._mix`): tensor-core FLOPs in the
+    block is 8 rows, but for 16 output heads, `triton_attention._mix`; the forward's last keys
+    in steps of `EDGE_BLOCK`): tensor-core FLOPs in the
     operands' dtype (``bf16``: q·kᵀ, p·v and their gradients) and in TF32 (``tf32``: Compose's
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
@@ -443,11 +444,14 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
     stage the tile, whose cast the compiled kernels share between the two sides, and each
     side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
+    from dcvit.kernels.triton_attention import EDGE_BLOCK
     from dcvit.kernels.triton_core import block_sizes, dot_min, matrix_side, score_grad_map, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     grad_map = score_grad_map(H)                        # dq, dk left to the map's products (`grad_map_work`)
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
     nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
+    if kernel == "forward_kernel" and c["BS"] > EDGE_BLOCK.value:   # the last keys in steps of EDGE_BLOCK
+        ns = N // c["BS"] + -(-(N % c["BS"]) // EDGE_BLOCK.value) * EDGE_BLOCK.value / c["BS"]
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
     pairs = B * nt * ns                                 # (query block, key block) visits
     qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
@@ -525,8 +529,10 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
     outside the loops once and its loops' once per block they visit, times its warps;
     programs per (row block, head group, sequence) as `triton_core` launches them. Without
     a mask (the variants estimated) each pass over the other axis is two loops
-    (`triton_attention`): the last, partial block's, visited once where N leaves one, then
-    the whole blocks', visited N // block times."""
+    (`triton_attention`): the last, partial block's, visited once where N leaves one (the
+    forward's in steps of at most `EDGE_BLOCK` keys), then the whole blocks', visited
+    N // block times."""
+    from dcvit.kernels.triton_attention import EDGE_BLOCK
     if row["kernel"] == "score_grad_products_kernel":  # a program per (head, sequence), one loop over
         per_program = row["sass"] - row["sass_loop"] + -(-N // row["BT"]) * sum(row["loops"])   # query blocks
         return float(B * row["H"] * row["num_warps"] * per_program)
@@ -536,7 +542,8 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
     if len(row["loops"]) != 2 * passes:
         raise ValueError(f"{row['kernel']}: {len(row['loops'])} loops in its machine code, expected "
                          f"{2 * passes} (the last block, then the whole ones, per pass)")
-    visits = [int(N % step > 0), N // step] * passes
+    edge = min(step, EDGE_BLOCK.value) if row["kernel"] == "forward_kernel" else step
+    visits = [-(-(N % step) // edge), N // step] * passes
     per_program = row["sass"] - row["sass_loop"] + sum(v * n for v, n in zip(visits, row["loops"]))
     return float(B * blocks * row["G"] * row["num_warps"] * per_program)
 

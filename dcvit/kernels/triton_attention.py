@@ -79,7 +79,9 @@ that mask a constant, which the compiler removes): 3-12 % fewer instructions per
 `_query_block`, `_key_block`), its two loops one `tl.static_range` over the phases. The
 partial block is a loop of at most one step, before the whole ones: as an ``if`` after
 them ptxas spilled 64 B (the 6-head forward) and 292 B (the 16-head query kernel); as a
-loop after them, 8 B in the 16-head query kernel for sm_80. With a mask (which keeps the
+loop after them, 8 B in the 16-head query kernel for sm_80. Where the blocks are wider
+than `EDGE_BLOCK` (the forward's 32 keys), that loop takes the last keys in blocks of
+`EDGE_BLOCK`: at 197 tokens 5 keys are one block of 16, not 32. With a mask (which keeps the
 smaller blocks, `triton_core.block_sizes`) one masked loop takes every block, as before:
 with both, the key kernel with a mask per head at 16 heads spilled 8-12 B.
 
@@ -95,6 +97,9 @@ import triton
 import triton.language as tl
 
 __all__ = ["forward_kernel", "backward_query_kernel", "backward_key_kernel", "score_grad_products_kernel"]
+
+EDGE_BLOCK: tl.constexpr = tl.constexpr(16)     # the most keys a step of the forward's last, partial blocks
+                                                # takes (the p·v product's 16-bit operands need 16)
 
 
 @triton.jit
@@ -193,6 +198,16 @@ def _exp(x, c, xs, FAST: tl.constexpr):
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
                                          is_pure=True, pack=1)
     return tl.exp2(y)
+
+
+@triton.jit
+def _opaque(x, GPU: tl.constexpr):
+    """x, as a value the compiler cannot trace to its definition (a `mov` it must issue where
+    it stands, on a GPU): indices so copied after a loop give addresses computed there, not
+    shared with an earlier store's and kept live across the loop."""
+    if GPU:
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    return x
 
 
 @triton.jit
@@ -328,19 +343,31 @@ def _matrix_grad(acc, a, d, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.c
 
 
 @triton.jit
-def _store_matrix_grad(DM, acc, b, idx, N, g0, h0, H: tl.constexpr, MH: tl.constexpr):
+def _store_matrix_grad(DM, acc, b, idx, N, g0, h0, H: tl.constexpr, MH: tl.constexpr, TR: tl.constexpr = False):
     """acc[x, g, h] -> DM[b, idx[x], g0 + g, h0 + h] of a contiguous (B, N, MH, MH) float32
-    tensor, the matrices' shape (`_matrices`). Where they are padded (MH > H), zeros at the
-    padding's entries (constants, not parameters), each thread's stores two floats wide: as
-    wide as 8-float rows allow, the compiler gathers the accumulator for 16-byte stores and
-    the key kernel spilled 8-56 B (3-6 heads)."""
+    tensor, the matrices' shape (`_matrices`); TR: acc[x, h, g], a transposed accumulator
+    (dMᵀ), written by transposed offsets, with no width hint, and unpadded under one bound
+    for both indices: permuted, or hinted, the query kernel's 32-query blocks spilled 8 B
+    (sm_90, Triton 3.8), and with the untransposed store's mask, which the compiler kept
+    from dMq2's store across pass 2, 4 B (Triton 3.7). Where the matrices are padded (MH > H),
+    zeros at the padding's entries (constants, not parameters), each thread's stores two
+    floats wide: as wide as 8-float rows allow, the compiler gathers the accumulator for
+    16-byte stores and the key kernel spilled 8-56 B (3-6 heads)."""
     n = idx[:, None, None]
-    g = g0 + tl.arange(0, acc.shape[1])[None, :, None]
-    h = h0 + tl.arange(0, acc.shape[2])[None, None, :]
-    if MH == H:
+    if TR:
+        h = h0 + tl.arange(0, acc.shape[1])[None, :, None]
+        g = g0 + tl.arange(0, acc.shape[2])[None, None, :]
+    else:
+        g = g0 + tl.arange(0, acc.shape[1])[None, :, None]
+        h = h0 + tl.arange(0, acc.shape[2])[None, None, :]
+    if MH == H and TR:                                  # one bound for both: not the untransposed store's mask
+        tl.store(DM + ((b * N + n) * H + g) * H + h, acc, mask=(tl.maximum(g, h) < H) & (n < N))
+    elif MH == H:
         tl.store(DM + ((b * N + n) * H + g) * H + h, acc, mask=(g < H) & (h < H) & (n < N))
     else:
-        off = tl.max_contiguous(((b * N + n) * MH + g) * MH + h, [1, 1, 2])
+        off = ((b * N + n) * MH + g) * MH + h
+        if not TR:
+            off = tl.max_contiguous(off, [1, 1, 2])
         tl.store(DM + off, tl.where((g < H) & (h < H), acc, 0.0), mask=(g < MH) & (h < MH) & (n < N))
 
 
@@ -556,15 +583,17 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     MK1 += b * b1b
     MK2 += b * b2b
     whole = 0 if HAS_MASK else S - S % BS                                   # keys in whole blocks: unmasked
+    BE: tl.constexpr = EDGE_BLOCK if BS > EDGE_BLOCK and not HAS_MASK else BS  # the last, partial ones' step
 
     stats = (tl.full((BT, 8, HP), -1e30, tl.float32), tl.zeros((BT, 8, HP), tl.float32))   # per key lane
     for phase in tl.static_range(2):                                    # pass 1: row statistics
         if phase == 0 or not HAS_MASK:
-            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
+            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BE if phase == 0 else BS):
                 stats = _forward_block(start, phase == 0, False, stats, 0, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1,
                                        mq1, mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt,
-                                       sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS,
-                                       HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+                                       sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BE if phase == 0 else BS, HG,
+                                       HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX,
+                                       DOT_MN, DOT_K, FAST_EXP)
     m_lane, l_lane = stats
     xs = _logit_scale(scale, HAS_MASK)
     m_i = tl.max(m_lane, axis=1)                                            # the lanes' statistics merged
@@ -576,11 +605,12 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     acc = tl.zeros((HG, DP, BT), tl.float32)                                # Oᵀ
     for phase in tl.static_range(2):                                    # pass 2: output
         if phase == 0 or not HAS_MASK:
-            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BS):
+            for start in range(whole if phase == 0 else 0, S if phase == 0 else whole, BE if phase == 0 else BS):
                 acc = _forward_block(start, phase == 0, True, acc, lse, b, t, hh, hm, hg, gm, dc, h0, qt0, qt1, mq1,
                                      mq2, K, V, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd, smb, smh, smt, sms, b1n,
-                                     b2n, T, S, scale, H, D, HP, DP, MH, BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE,
-                                     HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+                                     b2n, T, S, scale, H, D, HP, DP, MH, BE if phase == 0 else BS, HG, HAS_MASK,
+                                     MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K,
+                                     FAST_EXP)
     tl.store(O + b * sob + hg * soh + tc * sot + dc * sod, acc.to(O.dtype.element_ty),
              mask=gm & (tc < T) & (dc < D))
 
@@ -714,10 +744,12 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
                                      BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
                                      WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     dqt0, dqt1, dm1t = state
+    t_idx = _opaque(t_idx, FAST_EXP)        # the stores' addresses computed here: shared with dMq2's,
+    tc = t_idx[None, None, :]               # 32-query blocks kept them across pass 2 (40 B spilled)
     if not DS_MAP:
         _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:                                                           # s0's scale applied here
-        _store_matrix_grad(DMQ1, tl.permute(dm1t, (0, 2, 1)) * scale, b, t_idx, T, h0, 0, H, MH)
+        _store_matrix_grad(DMQ1, dm1t * scale, b, t_idx, T, h0, 0, H, MH, True)
 
 
 @triton.jit

@@ -215,11 +215,11 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     double the tiles in shared memory).
 
     Without a mask, as DCViT trains, larger blocks come first, for fewer instructions per
-    score: 32 queries by 32 keys in the forward at 8 padded heads; where Compose's mixing is
-    not padded in its contraction (3.8 on) 32 keys in the query kernel and 16 keys in the
-    key kernel at 8 padded heads, and at 16 padded heads, with the score-gradient map
-    (`score_grad_map`: no dq, dk accumulators), 16 queries in the query kernel and all heads
-    in one key-kernel program.
+    score: 32 queries by 32 keys in the forward and 32 queries by 16 keys in the query
+    kernel at 8 padded heads; where Compose's mixing is not padded in its contraction (3.8
+    on) 16 keys in the key kernel at 8 padded heads, and at 16 padded heads, with the
+    score-gradient map (`score_grad_map`: no dq, dk accumulators), 16 queries in the query
+    kernel and all heads in one key-kernel program.
     Otherwise, and with a mask (its tile takes registers too): 16 queries by 16 keys (8 keys
     in the key kernel); at 16 padded heads 8 queries in the query kernel, 16 or 8 in the
     forward, and the key kernel's heads split between G = 2 programs per key block where
@@ -255,7 +255,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
         if wide:
             blocks = ([(16, 16, 1)] if by_map and unpadded_mix else []) + [(8, 16, 1)]
         else:
-            blocks = ([(16, 32, 1)] if large and unpadded_mix else []) + [(16, 16, 1)]
+            blocks = ([(32, 16, 1)] if large else []) + [(16, 16, 1)]
     else:
         blocks = ([(16, 16, 1)] if large and unpadded_mix and not wide else []) + [(16, 8, g)]
     return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS) for bt, bs, g in blocks]
