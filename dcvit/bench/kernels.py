@@ -426,6 +426,14 @@ MODELS = {"S/16": ("dcvit_small_patch16_224", "vit_small_patch16_224"),
           "B/16": ("dcvit_base_patch16_224", "vit_base_patch16_224")}
 
 
+def partial_step(kernel: str, block: int) -> int:
+    """The tokens a step of a pass's last, partial loop takes: a whole block, but at most
+    `triton_attention.EDGE_BLOCK` keys in the forward (its 32-key blocks leave their last keys
+    in steps of 16)."""
+    from dcvit.kernels.triton_attention import EDGE_BLOCK
+    return min(block, EDGE_BLOCK.value) if kernel == "forward_kernel" else block
+
+
 def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, float]:
     """Work of one launch of ``kernel`` over B sequences of N tokens (every stage, both matrix
     sides, no mask, every matrix gradient wanted), counted from its loops with the blocks and
@@ -444,14 +452,12 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
     stage the tile, whose cast the compiled kernels share between the two sides, and each
     side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
-    from dcvit.kernels.triton_attention import EDGE_BLOCK
     from dcvit.kernels.triton_core import block_sizes, dot_min, matrix_side, score_grad_map, _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     grad_map = score_grad_map(H)                        # dq, dk left to the map's products (`grad_map_work`)
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
-    nt, ns = -(-N // c["BT"]), -(-N // c["BS"])
-    if kernel == "forward_kernel" and c["BS"] > EDGE_BLOCK.value:   # the last keys in steps of EDGE_BLOCK
-        ns = N // c["BS"] + -(-(N % c["BS"]) // EDGE_BLOCK.value) * EDGE_BLOCK.value / c["BS"]
+    edge = partial_step(kernel, c["BS"])                # key blocks visited, the partial ones by their width
+    nt, ns = -(-N // c["BT"]), N // c["BS"] + -(-(N % c["BS"]) // edge) * edge / c["BS"]
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
     pairs = B * nt * ns                                 # (query block, key block) visits
     qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
@@ -529,10 +535,8 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
     outside the loops once and its loops' once per block they visit, times its warps;
     programs per (row block, head group, sequence) as `triton_core` launches them. Without
     a mask (the variants estimated) each pass over the other axis is two loops
-    (`triton_attention`): the last, partial block's, visited once where N leaves one (the
-    forward's in steps of at most `EDGE_BLOCK` keys), then the whole blocks', visited
-    N // block times."""
-    from dcvit.kernels.triton_attention import EDGE_BLOCK
+    (`triton_attention`): the last, partial block's, visited once per `partial_step` where N
+    leaves one, then the whole blocks', visited N // block times."""
     if row["kernel"] == "score_grad_products_kernel":  # a program per (head, sequence), one loop over
         per_program = row["sass"] - row["sass_loop"] + -(-N // row["BT"]) * sum(row["loops"])   # query blocks
         return float(B * row["H"] * row["num_warps"] * per_program)
@@ -542,8 +546,7 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
     if len(row["loops"]) != 2 * passes:
         raise ValueError(f"{row['kernel']}: {len(row['loops'])} loops in its machine code, expected "
                          f"{2 * passes} (the last block, then the whole ones, per pass)")
-    edge = min(step, EDGE_BLOCK.value) if row["kernel"] == "forward_kernel" else step
-    visits = [-(-(N % step) // edge), N // step] * passes
+    visits = [-(-(N % step) // partial_step(row["kernel"], step)), N // step] * passes
     per_program = row["sass"] - row["sass_loop"] + sum(v * n for v, n in zip(visits, row["loops"]))
     return float(B * blocks * row["G"] * row["num_warps"] * per_program)
 
