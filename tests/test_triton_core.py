@@ -371,7 +371,9 @@ def test_padded_mixing_in_bf16_rounds_its_operands(monkeypatch):
 
 def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):
     """Only requested gradients are computed (the kernels are told which); the others come
-    back as None."""
+    back as None, and those computed still equal the formula's: the query kernel takes
+    delta's post-compose query-side term from dMq2 (``DELTA_BY_DMQ2``) whether or not dMq2
+    is wanted."""
     inputs, mask, mats = _case(1, 3, 9, 9, 8, seed=10)
     q, k, v = (t.clone().requires_grad_() for t in inputs)
     mleaves = [mats[0], mats[1].clone().requires_grad_(), mats[2], mats[3]]
@@ -385,6 +387,11 @@ def test_matrix_gradients_are_skipped_when_not_needed(monkeypatch):
     _triton(q, k, v, mask, mleaves, 0.5).sum().backward()
     assert all(t.grad is not None for t in (q, k, v)) and mleaves[1].grad is not None
     assert seen == [[False, True, False, False]]
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, mleaves[1])]
+    want = _reference64(*leaves[:3], mask, mats[0], leaves[3], mats[2], mats[3], 0.5)
+    wgrads = torch.autograd.grad(want.sum(), leaves)
+    for got, w in zip((q.grad, k.grad, v.grad, mleaves[1].grad), wgrads):
+        torch.testing.assert_close(got.double(), w, atol=_scaled(1e-5, w), rtol=1e-5)
 
 
 def test_backward_needs_the_forward_statistics():

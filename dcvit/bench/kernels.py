@@ -480,8 +480,10 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
         exps = 2
     elif kernel == "backward_query_kernel":
         bf16 = 2 * (qk + qk) + (0 if grad_map else qk)  # q·kᵀ, do·vᵀ in both passes; ds·k (or ds stored)
-        stages, grads = 5, 2                            # pre both passes, post T both, pre T; dMq1, dMq2
-        ops = 2 * (1 + 1 + 1) + 2 + 3 + 5 * 1 + 1       # scale, where, sub x2; delta; ds; compose adds; cast
+        one_sided = hp <= 8 and c["G"] == 1             # pass 1's post T by its key side alone (delta's
+        stages = 5 - (1 / (1 + pad) if one_sided else 0)  # query side by dMq2, `DELTA_BY_DMQ2`): pre both
+        grads = 2                                       # passes, post T both, pre T; dMq1, dMq2
+        ops = 2 * (1 + 1 + 1) + 2 + 3 + (5 - one_sided) + 1   # scale, where, sub x2; delta; ds; compose adds; cast
         exps = 2
     else:                                               # G programs per key block, each for HP/G heads:
         g = c["G"]                                      # the scores and both stages for all heads in each

@@ -59,7 +59,13 @@ Backward recomputes everything from q, k, v, the matrices and ``lse`` in two ker
 
 * `backward_query_kernel`, one program per block of queries: pass 1 over the keys gives
   ``delta[h,t] = Σ_s p·dp`` (the softmax backward's row term; with post-compose it is not
-  ``Σ o·do``) and the query-side matrices' gradient dMq2; pass 2 gives dq and dMq1, or with
+  ``Σ o·do``) and the query-side matrices' gradient dMq2. dp there is post-compose's
+  gradient taken back through both its terms, ``dp'[g] = Σ_h dp[h]·(Mq2[t,g,h] + Mk2[s,g,h])``;
+  the query-side term's share of delta is ``Σ_h Mq2[t,g,h]·dMq2[t,g,h]``, so at up to 8
+  padded heads in one head group (``DELTA_BY_DMQ2``) the loop takes dp' by its key side
+  alone and adds that share after the loop: one product fewer a block (at 16 padded heads
+  the key side's result, alone, needs a layout change of its own, and the count was even:
+  docs/performance.md). Pass 2 gives dq and dMq1, or with
   ``DS_MAP`` writes the scores' gradient ds (B, H, T, S) in the operands' dtype where it
   would multiply it by k (`triton_core.score_grad_map`: neither kernel then holds dq or dk
   accumulators; `score_grad_products_kernel` reads the map once for both, up to 256 keys,
@@ -311,7 +317,7 @@ def _compose(a, m0, HAS0: tl.constexpr, m1, HAS1: tl.constexpr, TR: tl.constexpr
         out = _mix(a, m0, TR, o0, HO, out, MIX, DOT_MN, DOT_K, FROM == 1)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
-        if CHAIN:
+        if CHAIN or not HAS0:                       # alone: its product's accumulator is the zeros
             out = tl.permute(_mix(at, m1, TR, o0, HO, tl.permute(out, (1, 0, 2)), MIX, DOT_MN, DOT_K, FROM == 2),
                              (1, 0, 2))
         else:
@@ -622,12 +628,13 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
                  DP: tl.constexpr, MH: tl.constexpr, BS: tl.constexpr, HG: tl.constexpr, HAS_MASK: tl.constexpr,
                  MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                  HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr, DS_MAP: tl.constexpr,
-                 PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-                 FAST_EXP: tl.constexpr):
+                 DELTA_BY_DMQ2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr,
+                 DOT_K: tl.constexpr, FAST_EXP: tl.constexpr):
     """The query kernel over the BS keys from ``start``. Pass 1 (not GRAD): state (delta,
-    dMq2); pass 2 (GRAD): state (dqᵀ's halves, dMq1ᵀ), or with DS_MAP the block's ds written.
-    K, V, DS, MK1, MK2 point at the sequence. EDGE: the block may run past S (the last one);
-    else nothing is masked."""
+    dMq2; with DELTA_BY_DMQ2, delta's key-side term only: `backward_query_kernel`); pass 2
+    (GRAD): state (dqᵀ's halves, dMq1ᵀ), or with DS_MAP the block's ds written. K, V, DS,
+    MK1, MK2 point at the sequence. EDGE: the block may run past S (the last one); else
+    nothing is masked."""
     CHAIN: tl.constexpr = HP <= 8                   # `_compose`'s; at 16 padded heads 164 KiB of shared memory
     sr = start + tl.arange(0, BS)[None, :, None]
     s = start + tl.arange(0, BS)[:, None, None]
@@ -644,11 +651,18 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
                            PRECISION, DOT_MN))                               # dL/dp2 (BT, BS, HP)
     if not GRAD:
         delta, dm2 = state
-        if HAS_POST:
-            if WANT_DMQ2:
-                dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
-            dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
-        out = (delta + tl.sum(_by_lane(p * dp), axis=1), dm2)            # per key lane
+        if DELTA_BY_DMQ2:                           # post-compose's query-side term left out of dp
+            dm2 = _matrix_grad(dm2, p, dp, MIX, DOT_MN, DOT_K)
+            if HAS_MK2:
+                dp = _compose(dp, 0, False, mk2, True, True, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
+                delta += tl.sum(_by_lane(p * dp), axis=1)
+        else:
+            if HAS_POST:
+                if WANT_DMQ2:
+                    dm2 = _matrix_grad(dm2, p, _group(dp, h0, HG), MIX, DOT_MN, DOT_K)
+                dp = _compose(dp, mq2, True, mk2, HAS_MK2, True, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
+            delta += tl.sum(_by_lane(p * dp), axis=1)                    # per key lane
+        out = (delta, dm2)
     else:
         dqt0, dqt1, dm1t = state
         if HAS_POST:
@@ -716,6 +730,8 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     MK1 += b * b1b
     MK2 += b * b2b
     whole = 0 if HAS_MASK else S - S % BS                                   # keys in whole blocks: unmasked
+    DELTA_BY_DMQ2: tl.constexpr = HAS_POST and G == 1 and HP <= 8           # delta's query-side term by dMq2:
+                                                                            # every head's dMq2 (G = 1), chained
 
     state = (tl.zeros((BT, 8, HP), tl.float32), tl.zeros((BT, HP, HG), tl.float32))   # delta per key lane, dMq2
     for phase in tl.static_range(2):                                    # pass 1: delta, dMq2
@@ -725,9 +741,11 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
                                      dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs, svd,
                                      srh, srt, srs, smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH, BS,
                                      HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
-                                     WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+                                     WANT_DMQ2, DS_MAP, DELTA_BY_DMQ2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     delta, dm2 = state
     delta = tl.sum(delta, axis=1)
+    if DELTA_BY_DMQ2:                           # Σ_s p[g] Σ_h Mq2[t,g,h] dp[h] = Σ_h Mq2[t,g,h] dMq2[t,g,h]
+        delta += tl.sum(mq2 * dm2, axis=2)
     tl.store(DELTA + stat, delta, mask=(h2 >= h0) & (h2 < h0 + HG) & (h2 < H) & (t2 < T))
     if WANT_DMQ2:                                                           # stored now: not live in pass 2
         _store_matrix_grad(DMQ2, dm2, b, t_idx, T, 0, h0, H, MH)
@@ -742,7 +760,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
                                      qt1, dot0, dot1, mq1, mq2, K, V, DS, MASK, MK1, MK2, skh, sks, skd, svh, svs,
                                      svd, srh, srt, srs, smb, smh, smt, sms, b1n, b2n, T, S, scale, H, D, HP, DP, MH,
                                      BS, HG, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
-                                     WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+                                     WANT_DMQ2, DS_MAP, DELTA_BY_DMQ2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
     dqt0, dqt1, dm1t = state
     t_idx = _opaque(t_idx, FAST_EXP)        # the stores' addresses computed here: shared with dMq2's,
     tc = t_idx[None, None, :]               # 32-query blocks kept them across pass 2 (40 B spilled)
