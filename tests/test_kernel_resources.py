@@ -99,7 +99,10 @@ def test_machine_code_is_counted(rows):
             assert len(r["loops"]) == 1, r["name"]
             continue
         passes = 1 if r["kernel"] == "backward_key_kernel" else 2
-        assert len(r["loops"]) == passes * (1 if r["mask"] else 2), r["name"]
+        bodies = 2 if kernel_report.last_rows(r["kernel"], r["BT"], r["BT"] + 1, r["H"], r["arch"]) < r["BT"] else 1
+        assert len(r["loops"]) == passes * (1 if r["mask"] else 2) * bodies, r["name"]
+        assert len(r["bodies"]) == bodies and all(len(b["loops"]) == len(r["loops"]) // bodies
+                                                 for b in r["bodies"]), r["name"]
 
 
 SASS = """
@@ -116,7 +119,36 @@ SASS = """
 
 
 def test_sass_loops_run_from_a_backward_branch_target_to_the_branch():
-    assert kernel_report._sass_figures(SASS) == {"sass": 8, "sass_loop": 5, "loops": [3, 2], "loop_shuffles": 1}
+    assert kernel_report._sass_figures(SASS) == {"sass": 8, "sass_loop": 5, "loops": [3, 2], "loop_shuffles": 1,
+                                                 "bodies": [{"sass": 8, "loops": [3, 2]}]}
+
+
+TWO_BODIES = """
+        /*0000*/                   S2R R0, SR_CTAID.X ;
+        /*0010*/                   ISETP.GT.AND P0, PT, R0, 0x10, PT ;
+        /*0020*/                @P0 BRA 0x90 ;
+        /*0030*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0040*/               @!P1 BRA 0x30 ;
+        /*0050*/                   IADD3 R3, R3, 0x1, RZ ;
+        /*0060*/               @!P1 BRA 0x50 ;
+        /*0070*/                   STG.E [R4], R2 ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*00a0*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*00b0*/               @!P1 BRA 0x90 ;
+        /*00c0*/                   IADD3 R3, R3, 0x1, RZ ;
+        /*00d0*/               @!P1 BRA 0xc0 ;
+        /*00e0*/                   EXIT ;
+        /*00f0*/                   BRA 0xf0;
+"""
+
+
+def test_a_kernel_with_two_bodies_is_counted_per_body():
+    """`triton_attention`'s TAIL: the first instructions branch to the second body, the
+    first ends in an EXIT; a program runs those first instructions and one body."""
+    figures = kernel_report._sass_figures(TWO_BODIES)
+    assert figures["loops"] == [2, 2, 3, 2]
+    assert figures["bodies"] == [{"sass": 9, "loops": [2, 2]}, {"sass": 3 + 7, "loops": [3, 2]}]
 
 
 def test_forward_loops_move_nothing_between_lanes(rows):
@@ -135,7 +167,7 @@ def test_forward_loops_move_nothing_between_lanes(rows):
 def test_warp_instructions_count_each_loop_once_per_block_visited():
     """A pass is two loops: the partial last block (one visit where N leaves one, none where
     it does not), then the whole blocks (N // block visits)."""
-    row = dict(kernel="forward_kernel", BT=16, BS=16, G=1, num_warps=8, sass=200, sass_loop=100,
+    row = dict(kernel="forward_kernel", H=6, arch=90, BT=16, BS=16, G=1, num_warps=8, sass=200, sass_loop=100,
                loops=[20, 30, 10, 40])
     # 2 sequences x 3 query blocks x 8 warps x (100 outside the loops + 2 whole key blocks x
     # (30 + 40) + the partial one, 20 + 10)
@@ -149,6 +181,13 @@ def test_warp_instructions_count_each_loop_once_per_block_visited():
     assert kernel_report.warp_instructions(key, B=2, N=33) == 2 * 5 * 2 * 8 * (100 + 2 * 30 + 20)
     with pytest.raises(ValueError, match="expected 2"):
         kernel_report.warp_instructions(dict(key, loops=[50]), B=2, N=33)
+    # two bodies (TAIL): 37 tokens leave 5 queries to the last 32-query block, which runs the
+    # smaller body (a whole key block and a partial step in each pass); 49 leave 17, and every
+    # program runs the larger one (a whole key block and two partial steps)
+    two = dict(wide, bodies=[dict(sass=150, loops=[20, 30, 10, 40]), dict(sass=120, loops=[10, 15, 5, 20])])
+    small, large = 120 - 50 + 10 + 15 + 5 + 20, 150 - 100 + 20 + 30 + 10 + 40
+    assert kernel_report.warp_instructions(two, B=2, N=37) == 2 * 8 * (large + small)
+    assert kernel_report.warp_instructions(two, B=2, N=49) == 2 * 8 * 2 * (150 - 100 + 2 * 20 + 30 + 2 * 10 + 40)
     products = dict(kernel="score_grad_products_kernel", H=12, BT=16, BS=256, G=1, num_warps=8, sass=300,
                     sass_loop=100, loops=[100])
     # 2 sequences x 12 heads x 8 warps x (200 outside the loop + 3 query blocks x 100)

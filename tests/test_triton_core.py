@@ -163,6 +163,14 @@ def test_the_forward_takes_its_last_keys_in_steps_of_sixteen(T, S):
     _assert_matches(*_case(1, 3, T, S, 8, mask=None, seed=T + S))
 
 
+@pytest.mark.parametrize("T", [37, 48, 49])
+def test_a_last_block_at_most_half_full_takes_the_half_height_body(T):
+    """Without a mask the forward's and the query kernel's 32-query blocks leave a last block
+    that holds at most 16 queries to a body of 16 rows (``TAIL``): 5 and 16 queries there
+    (37 and 48 tokens), 17 in the full body (49)."""
+    _assert_matches(*_case(1, 3, T, 21, 8, mask=None, seed=T))
+
+
 @pytest.mark.parametrize("mask,H", [(None, 3), ("full", 3), ("full", 9), ("bool", 3), ("large", 3)])
 def test_masks(mask, H):
     """Per head ("full"; 9 heads: 16 padded, the key kernel's heads in two groups) or one for

@@ -204,13 +204,35 @@ def _loops(ins: Sequence[tuple]) -> List[tuple]:
 def _sass_figures(sass: str) -> Dict:
     """Static instruction counts of one kernel's machine code (``cuobjdump -sass``): all of
     them (``sass``), those inside its loops (``sass_loop``), each loop's (``loops``, in
-    address order; 16 bytes an instruction) and the warp shuffles inside them
-    (``loop_shuffles``: values moved between lanes, by a reduction or a layout change)."""
+    address order; 16 bytes an instruction), the warp shuffles inside them
+    (``loop_shuffles``: values moved between lanes, by a reduction or a layout change), and
+    per body a program may run (``bodies``, `_bodies`) its instructions and loops."""
     ins = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     spans = _loops(ins)
     loops = [(last - first) // 16 + 1 for first, last in spans]
     shuffles = sum(1 for a, text in ins if re.search(r"\bSHFL\b", text) and any(f <= a <= l for f, l in spans))
-    return dict(sass=len(ins), sass_loop=sum(loops), loops=loops, loop_shuffles=shuffles)
+    return dict(sass=len(ins), sass_loop=sum(loops), loops=loops, loop_shuffles=shuffles, bodies=_bodies(ins, spans))
+
+
+def _bodies(ins: Sequence[tuple], spans: Sequence[tuple]) -> List[Dict]:
+    """What a program runs of a kernel's ``(address, text)`` instructions: the whole code
+    (``sass``) and loops, or where the kernel has two bodies (`triton_attention`'s TAIL: its
+    first instructions branch to the second, the first ends in an ``EXIT`` between the two
+    halves of its loops), each body with those first instructions, and its own loops."""
+    whole = [dict(sass=len(ins), loops=[(last - first) // 16 + 1 for first, last in spans])]
+    half = len(spans) // 2
+    if not half or len(spans) % 2:
+        return whole
+    ends = [a for a, text in ins if spans[half - 1][1] < a < spans[half][0] and text.strip() == "EXIT"]
+    second = min((a for a, _ in ins if ends and a > ends[0]), default=None)
+    entry = [a for a, text in ins if second is not None and a < spans[0][0]
+             and re.search(rf"\bBRA\b.*?0x0*{second:x}\b", text)]
+    if not entry:
+        return whole
+    first_part = sum(1 for a, _ in ins if a <= ends[0])
+    second_part = sum(1 for a, _ in ins if a <= entry[0] or a >= second)
+    return [dict(sass=first_part, loops=whole[0]["loops"][:half]),
+            dict(sass=second_part, loops=whole[0]["loops"][half:])]
 
 
 def _specialize(backend, arg):
@@ -244,8 +266,9 @@ def _compile(v: Variant):
     kwargs = dict(kwargs, BT=v.BT, BS=v.BS, G=v.G)
     signature, constexprs, attrs = {}, {}, {}
     for i, arg_name in enumerate(fn.arg_names):
-        if arg_name in kwargs:
-            signature[arg_name], constexprs[arg_name] = "constexpr", kwargs[arg_name]
+        if arg_name in kwargs or i >= len(args):        # launched with it, or left to its default (TAIL)
+            signature[arg_name] = "constexpr"
+            constexprs[arg_name] = kwargs[arg_name] if arg_name in kwargs else fn.params[i].default
             continue
         kind, spec = _specialize(CUDABackend, args[i])
         signature[arg_name] = kind
@@ -322,6 +345,9 @@ def loop_lines(v: Variant) -> List[Dict]:
     spans = sorted((labels[m.group(1)], addr) for addr, text, _ in ins
                    if (m := re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", text)) and labels.get(m.group(1), addr) < addr)
     spans = spans[1::2]                                                 # (last block, whole blocks) pairs
+    passes = 1 if v.kernel == "backward_key_kernel" else 2
+    if len(spans) == 2 * passes:                                        # two bodies (TAIL): the full one's
+        spans = max(spans[:passes], spans[passes:], key=lambda ss: sum(b - a for a, b in ss))
     counts: Dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
     for addr, text, src in ins:
         if any(a <= addr <= b for a, b in spans):
@@ -440,7 +466,8 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     head groups of the first `block_sizes` candidate and the padded head count (and rows: a
     tensor-core product pads 8 rows to 16, which one side of each Compose stage has when a
     block is 8 rows, but for 16 output heads, `triton_attention._mix`; the forward's last keys
-    in steps of `EDGE_BLOCK`): tensor-core FLOPs in the
+    in steps of `EDGE_BLOCK`; the last query block by the rows of its body, `last_rows`):
+    tensor-core FLOPs in the
     operands' dtype (``bf16``: q·kᵀ, p·v and their gradients) and in TF32 (``tf32``: Compose's
     head mixing and the matrix gradients), CUDA-core FLOPs (``fp32``: the element-wise steps,
     one per operation) and exponentials (``exp``), and the bytes each tensor costs in HBM read
@@ -458,6 +485,8 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
     edge = partial_step(kernel, c["BS"])                # key blocks visited, the partial ones by their width
     nt, ns = -(-N // c["BT"]), N // c["BS"] + -(-(N % c["BS"]) // edge) * edge / c["BS"]
+    if kernel != "backward_key_kernel":                 # the last query block, by the rows of its body
+        nt += last_rows(kernel, c["BT"], N, H) / c["BT"] - 1
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
     pairs = B * nt * ns                                 # (query block, key block) visits
     qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
@@ -538,19 +567,36 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
     programs per (row block, head group, sequence) as `triton_core` launches them. Without
     a mask (the variants estimated) each pass over the other axis is two loops
     (`triton_attention`): the last, partial block's, visited once per `partial_step` where N
-    leaves one, then the whole blocks', visited N // block times."""
+    leaves one, then the whole blocks', visited N // block times. A kernel with two bodies
+    (``bodies``, `_bodies`) runs its smaller one in the last program where `last_rows` says
+    so, the other everywhere else."""
     if row["kernel"] == "score_grad_products_kernel":  # a program per (head, sequence), one loop over
         per_program = row["sass"] - row["sass_loop"] + -(-N // row["BT"]) * sum(row["loops"])   # query blocks
         return float(B * row["H"] * row["num_warps"] * per_program)
     nt, ns = -(-N // row["BT"]), -(-N // row["BS"])
     blocks, step = (ns, row["BT"]) if row["kernel"] == "backward_key_kernel" else (nt, row["BS"])
     passes = 1 if row["kernel"] == "backward_key_kernel" else 2
-    if len(row["loops"]) != 2 * passes:
+    bodies = sorted(row.get("bodies") or [dict(sass=row["sass"], loops=row["loops"])], key=lambda b: sum(b["loops"]))
+    if any(len(b["loops"]) != 2 * passes for b in bodies):
         raise ValueError(f"{row['kernel']}: {len(row['loops'])} loops in its machine code, expected "
-                         f"{2 * passes} (the last block, then the whole ones, per pass)")
+                         f"{2 * passes} (the last block, then the whole ones, per pass) per body")
     visits = [-(-(N % step) // partial_step(row["kernel"], step)), N // step] * passes
-    per_program = row["sass"] - row["sass_loop"] + sum(v * n for v, n in zip(visits, row["loops"]))
-    return float(B * blocks * row["G"] * row["num_warps"] * per_program)
+    per_program = [b["sass"] - sum(b["loops"]) + sum(v * n for v, n in zip(visits, b["loops"])) for b in bodies]
+    half = len(bodies) == 2 and last_rows(row["kernel"], row["BT"], N, row["H"], row["arch"]) < row["BT"]
+    total = (blocks - half) * per_program[-1] + half * per_program[0]   # the last program's body: the smaller
+    return float(B * row["G"] * row["num_warps"] * total)
+
+
+def last_rows(kernel: str, block: int, N: int, H: int, arch: int = 90) -> int:
+    """The rows of the body that the last program of ``kernel`` runs over N tokens in blocks
+    of ``block`` at H heads: half of them where that block holds at most half
+    (`triton_attention`'s TAIL: the forward, and the query kernel where Compose's mixing is
+    not padded in its contraction, `triton_core.dot_min`, from 32 rows on), else all."""
+    from dcvit.kernels.triton_core import _padded_heads, dot_min
+    unpadded_mix = _padded_heads(H) >= dot_min(32, arch)[2]
+    tail = kernel == "forward_kernel" or (kernel == "backward_query_kernel" and unpadded_mix)
+    half = tail and block >= 32 and 0 < N % block <= block // 2
+    return block // 2 if half else block
 
 
 def roofline_ms(work: Dict[str, float], gpu: Dict = H100) -> Dict[str, float]:

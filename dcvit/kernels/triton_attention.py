@@ -91,6 +91,15 @@ than `EDGE_BLOCK` (the forward's 32 keys), that loop takes the last keys in bloc
 smaller blocks, `triton_core.block_sizes`) one masked loop takes every block, as before:
 with both, the key kernel with a mask per head at 16 heads spilled 8-12 B.
 
+The last row block. The forward's and the query kernel's programs take their rows in a
+body of their own (`_forward_rows`, `_query_rows`); where a program's block is 32 rows or
+more (``TAIL``, on by default; the query kernel's where Compose's mixing is not padded), the
+last one, when it holds at most half of them, runs the body of BT/2 rows instead: at 197
+tokens the seventh block of 32 holds 5 queries. Both
+bodies are compiled into the kernel (its registers the larger's), each program runs one
+(about 6 % fewer instructions per launch at 197 tokens, docs/performance.md). The key
+kernel's blocks are at most 16 keys: its half-height last program would save 2 %.
+
 Loads and stores of q, k, v and their gradients go through explicit strides (they may be
 views of the qkv projection); each token's H×H matrix is contiguous (`triton_core` makes it
 so), so its (g, h) offsets are constants: vector loads and no address arithmetic per
@@ -552,18 +561,18 @@ def _forward_block(start, EDGE: tl.constexpr, OUT: tl.constexpr, state, lse, b, 
 
 
 @triton.jit
-def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
-                   sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
-                   sob, soh, sot, sod, smb, smh, smt, sms,
-                   a1b, a1n, b1b, b1n,
-                   a2b, a2n, b2b, b2n,
-                   T, S, scale,
-                   H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
-                   BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
-                   MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
-                   HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-                   FAST_EXP: tl.constexpr):
-    """One block of BT queries and one group of HP/G heads (program_id 2): their rows of
+def _forward_rows(row0, Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
+                  sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                  sob, soh, sot, sod, smb, smh, smt, sms,
+                  a1b, a1n, b1b, b1n,
+                  a2b, a2n, b2b, b2n,
+                  T, S, scale,
+                  H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
+                  BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
+                  MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                  HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                  FAST_EXP: tl.constexpr):
+    """The BT queries from row0 and one group of HP/G heads (program_id 2): their rows of
     O (B, T, H, D) and LSE (B, H, T). The scores of all heads are computed (Compose mixes
     them); only the group's output columns are post-composed and accumulated. Each pass
     runs over the whole key blocks unmasked, then the last, partial one (`_forward_block`)."""
@@ -572,7 +581,7 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
     h0 = 0                                                                  # the group's first head
     if G > 1:
         h0 = tl.program_id(2) * HG
-    t_idx = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_idx = row0 + tl.arange(0, BT)
     hh = tl.arange(0, HP)[:, None, None]                                    # (heads, ., .) tiles
     hm = hh < H
     dc = tl.arange(0, DP)[None, :, None]                                    # (heads, D, queries) tiles
@@ -619,6 +628,41 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                                      FAST_EXP)
     tl.store(O + b * sob + hg * soh + tc * sot + dc * sod, acc.to(O.dtype.element_ty),
              mask=gm & (tc < T) & (dc < D))
+
+
+@triton.jit
+def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
+                   sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                   sob, soh, sot, sod, smb, smh, smt, sms,
+                   a1b, a1n, b1b, b1n,
+                   a2b, a2n, b2b, b2n,
+                   T, S, scale,
+                   H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
+                   BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
+                   MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                   HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                   FAST_EXP: tl.constexpr, TAIL: tl.constexpr = True):
+    """`_forward_rows` for the BT queries from program_id 0 × BT. With TAIL, blocks of 32
+    queries or more leave a last block that holds at most half of them to a body of BT/2
+    rows (at 197 tokens the seventh of 32 holds 5): its tiles and products half the size.
+    Both bodies are compiled into the kernel; each program runs one."""
+    row0 = tl.program_id(0) * BT
+    if TAIL and BT >= 32:
+        if T - row0 <= BT // 2:                                            # the last, at most half full
+            _forward_rows(row0, Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt, sqd, skb, skh, sks, skd,
+                          svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n,
+                          b2b, b2n, T, S, scale, H, D, HP, DP, MH, BT // 2, BS, G, HAS_MASK, MASK_HEADS, HAS_PRE,
+                          HAS_MK1, HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+        else:
+            _forward_rows(row0, Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt, sqd, skb, skh, sks, skd,
+                          svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n,
+                          b2b, b2n, T, S, scale, H, D, HP, DP, MH, BT, BS, G, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1,
+                          HAS_POST, HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    else:
+        _forward_rows(row0, Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb,
+                      svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n, b2b, b2n,
+                      T, S, scale, H, D, HP, DP, MH, BT, BS, G, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST,
+                      HAS_MK2, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
 
 
 @triton.jit
@@ -687,19 +731,19 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
 
 
 @triton.jit
-def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2,
-                          sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
-                          sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh, srt, srs, smb, smh, smt, sms,
-                          a1b, a1n, b1b, b1n,
-                          a2b, a2n, b2b, b2n,
-                          T, S, scale,
-                          H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
-                          BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
-                          MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
-                          HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
-                          DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-                          FAST_EXP: tl.constexpr):
-    """One block of BT queries and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
+def _query_rows(row0, Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2,
+                sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh, srt, srs, smb, smh, smt, sms,
+                a1b, a1n, b1b, b1n,
+                a2b, a2n, b2b, b2n,
+                T, S, scale,
+                H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
+                BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
+                MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
+                DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                FAST_EXP: tl.constexpr):
+    """The BT queries from row0 and one group of HP/G heads h (program_id 2): DELTA (B, H, T)
     and dq (B, H, T, D) of those heads (with DS_MAP the scores' gradient DS (B, H, T, S)
     instead, in the operands' dtype), and the per-query matrix gradients dMq1[t, h, :],
     dMq2[t, :, h] (B, T, H, H). Each pass runs over the whole key blocks unmasked, then the
@@ -709,7 +753,7 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
     h0 = 0                                                                  # the group's first head
     if G > 1:
         h0 = tl.program_id(2) * HG
-    t_idx = tl.program_id(0) * BT + tl.arange(0, BT)
+    t_idx = row0 + tl.arange(0, BT)
     hh = tl.arange(0, HP)[:, None, None]
     hm = hh < H
     tc = t_idx[None, None, :]
@@ -768,6 +812,45 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
         _store_t_halves(DQ + b * sdb, hg * sdh + tc * sdt, sdd, gm & (tc < T), dqt0 * scale, dqt1 * scale, D, DP)
     if WANT_DMQ1:                                                           # s0's scale applied here
         _store_matrix_grad(DMQ1, dm1t * scale, b, t_idx, T, h0, 0, H, MH, True)
+
+
+@triton.jit
+def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2,
+                          sqb, sqh, sqt, sqd, skb, skh, sks, skd, svb, svh, svs, svd,
+                          sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh, srt, srs, smb, smh, smt, sms,
+                          a1b, a1n, b1b, b1n,
+                          a2b, a2n, b2b, b2n,
+                          T, S, scale,
+                          H: tl.constexpr, D: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, MH: tl.constexpr,
+                          BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
+                          MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
+                          HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
+                          DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
+                          FAST_EXP: tl.constexpr, TAIL: tl.constexpr = True):
+    """`_query_rows` for the BT queries from program_id 0 × BT; with TAIL a last block of 32
+    queries or more that holds at most half of them takes a body of BT/2 rows, as the
+    forward's (`forward_kernel`), where Compose's mixing is not padded in its contraction
+    (HP ≥ DOT_K: Triton 3.8 on; under 3.5-3.7 the two bodies together spilled 8-56 B)."""
+    row0 = tl.program_id(0) * BT
+    if TAIL and BT >= 32 and HP >= DOT_K:                                  # not with the mixing padded:
+        if T - row0 <= BT // 2:                                            # 8-56 B spilled (3.5-3.7)
+            _query_rows(row0, Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt,
+                        sqd, skb, skh, sks, skd, svb, svh, svs, svd, sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh,
+                        srt, srs, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n, b2b, b2n, T, S, scale, H, D, HP,
+                        DP, MH, BT // 2, BS, G, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
+                        WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+        else:
+            _query_rows(row0, Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt,
+                        sqd, skb, skh, sks, skd, svb, svh, svs, svd, sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh,
+                        srt, srs, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n, b2b, b2n, T, S, scale, H, D, HP,
+                        DP, MH, BT, BS, G, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1,
+                        WANT_DMQ2, DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
+    else:
+        _query_rows(row0, Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt, sqd,
+                    skb, skh, sks, skd, svb, svh, svs, svd, sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh, srt,
+                    srs, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n, b2b, b2n, T, S, scale, H, D, HP, DP, MH,
+                    BT, BS, G, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, HAS_POST, HAS_MK2, WANT_DMQ1, WANT_DMQ2,
+                    DS_MAP, PRECISION, MIX, DOT_MN, DOT_K, FAST_EXP)
 
 
 @triton.jit
