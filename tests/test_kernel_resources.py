@@ -99,7 +99,7 @@ def test_machine_code_is_counted(rows):
             assert len(r["loops"]) == 1, r["name"]
             continue
         passes = 1 if r["kernel"] == "backward_key_kernel" else 2
-        bodies = 2 if kernel_report.last_rows(r["kernel"], r["BT"], r["BT"] + 1, r["H"], r["arch"]) < r["BT"] else 1
+        bodies = 2 if r["TAIL"] else 1                                  # `block_sizes`' half-height body
         assert len(r["loops"]) == passes * (1 if r["mask"] else 2) * bodies, r["name"]
         assert len(r["bodies"]) == bodies and all(len(b["loops"]) == len(r["loops"]) // bodies
                                                  for b in r["bodies"]), r["name"]
@@ -184,7 +184,7 @@ def test_warp_instructions_count_each_loop_once_per_block_visited():
     # two bodies (TAIL): 37 tokens leave 5 queries to the last 32-query block, which runs the
     # smaller body (a whole key block and a partial step in each pass); 49 leave 17, and every
     # program runs the larger one (a whole key block and two partial steps)
-    two = dict(wide, bodies=[dict(sass=150, loops=[20, 30, 10, 40]), dict(sass=120, loops=[10, 15, 5, 20])])
+    two = dict(wide, TAIL=True, bodies=[dict(sass=150, loops=[20, 30, 10, 40]), dict(sass=120, loops=[10, 15, 5, 20])])
     small, large = 120 - 50 + 10 + 15 + 5 + 20, 150 - 100 + 20 + 30 + 10 + 40
     assert kernel_report.warp_instructions(two, B=2, N=37) == 2 * 8 * (large + small)
     assert kernel_report.warp_instructions(two, B=2, N=49) == 2 * 8 * 2 * (150 - 100 + 2 * 20 + 30 + 2 * 10 + 40)

@@ -168,7 +168,23 @@ def test_a_last_block_at_most_half_full_takes_the_half_height_body(T):
     """Without a mask the forward's and the query kernel's 32-query blocks leave a last block
     that holds at most 16 queries to a body of 16 rows (``TAIL``): 5 and 16 queries there
     (37 and 48 tokens), 17 in the full body (49)."""
+    assert [triton_core.block_sizes(3, k)[0].get("TAIL") for k in (
+        "forward_kernel", "backward_query_kernel", "backward_key_kernel")] == [True, True, None]
     _assert_matches(*_case(1, 3, T, 21, 8, mask=None, seed=T))
+
+
+@pytest.mark.parametrize("mins,tails", [((1, 1, 8), (True, True)), ((1, 1, 16), (True, False)),
+                                        ((16, 16, 16), (False, False))],
+                         ids=["triton3.8-3.9", "triton3.5-3.7", "triton3.4"])
+def test_which_candidates_take_the_half_height_body(monkeypatch, mins, tails):
+    """``TAIL`` is set by `block_sizes` alone (the kernels and the count read it): for 32-row
+    blocks, in the query kernel only where Compose's mixing is not padded in its contraction
+    (under 3.5-3.7 its two bodies spilled), and never with a mask (16-row blocks)."""
+    monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: mins)
+    for kernel, tail in zip(("forward_kernel", "backward_query_kernel"), tails):
+        first, *rest = triton_core.block_sizes(6, kernel)
+        assert first["TAIL"] == tail and first["BT"] == (32 if tail or mins[0] == 1 else 16), kernel
+        assert not any(c["TAIL"] for c in rest + triton_core.block_sizes(6, kernel, mask=True)), kernel
 
 
 @pytest.mark.parametrize("mask,H", [(None, 3), ("full", 3), ("full", 9), ("bool", 3), ("large", 3)])

@@ -73,6 +73,7 @@ class Variant:
     G: int = 1
     maxnreg: Optional[int] = None
     mask_heads: bool = False          # the mask differs between heads (a converted Swin's)
+    TAIL: bool = False                # a half-height body for the last row block (`block_sizes`)
 
     @property
     def name(self) -> str:
@@ -132,7 +133,7 @@ def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 6
             products.add((arch, H, D, dtype))
         for c in candidates:
             out.append(Variant(kernel, arch, H, D, dtype, mask, pre, post, c["BT"], c["BS"], c["num_warps"],
-                               c["num_stages"], c["G"], c.get("maxnreg"), by_head))
+                               c["num_stages"], c["G"], c.get("maxnreg"), by_head, c.get("TAIL", False)))
     return out
 
 
@@ -263,12 +264,12 @@ def _compile(v: Variant):
     from dcvit.kernels import triton_attention, triton_core
     fn = getattr(triton_attention, v.kernel)
     args, kwargs = launch_arguments(v)
-    kwargs = dict(kwargs, BT=v.BT, BS=v.BS, G=v.G)
+    kwargs = dict(kwargs, BT=v.BT, BS=v.BS, G=v.G, **({"TAIL": v.TAIL} if "TAIL" in fn.arg_names else {}))
     signature, constexprs, attrs = {}, {}, {}
     for i, arg_name in enumerate(fn.arg_names):
-        if arg_name in kwargs or i >= len(args):        # launched with it, or left to its default (TAIL)
+        if arg_name in kwargs:                          # a compile-time argument
             signature[arg_name] = "constexpr"
-            constexprs[arg_name] = kwargs[arg_name] if arg_name in kwargs else fn.params[i].default
+            constexprs[arg_name] = kwargs[arg_name]
             continue
         kind, spec = _specialize(CUDABackend, args[i])
         signature[arg_name] = kind
@@ -486,7 +487,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     edge = partial_step(kernel, c["BS"])                # key blocks visited, the partial ones by their width
     nt, ns = -(-N // c["BT"]), N // c["BS"] + -(-(N % c["BS"]) // edge) * edge / c["BS"]
     if kernel != "backward_key_kernel":                 # the last query block, by the rows of its body
-        nt += last_rows(kernel, c["BT"], N, H) / c["BT"] - 1
+        nt += last_rows(c.get("TAIL", False), c["BT"], N) / c["BT"] - 1
     tile = c["BT"] * c["BS"] * hp                       # (rows, cols, heads) elements
     pairs = B * nt * ns                                 # (query block, key block) visits
     qk = 2 * tile * dp                                  # one q·kᵀ (or do·vᵀ, p·v, ds·k, ...)
@@ -582,21 +583,16 @@ def warp_instructions(row: Dict, B: int, N: int) -> float:
                          f"{2 * passes} (the last block, then the whole ones, per pass) per body")
     visits = [-(-(N % step) // partial_step(row["kernel"], step)), N // step] * passes
     per_program = [b["sass"] - sum(b["loops"]) + sum(v * n for v, n in zip(visits, b["loops"])) for b in bodies]
-    half = len(bodies) == 2 and last_rows(row["kernel"], row["BT"], N, row["H"], row["arch"]) < row["BT"]
+    half = len(bodies) == 2 and last_rows(row.get("TAIL", False), row["BT"], N) < row["BT"]
     total = (blocks - half) * per_program[-1] + half * per_program[0]   # the last program's body: the smaller
     return float(B * row["G"] * row["num_warps"] * total)
 
 
-def last_rows(kernel: str, block: int, N: int, H: int, arch: int = 90) -> int:
-    """The rows of the body that the last program of ``kernel`` runs over N tokens in blocks
-    of ``block`` at H heads: half of them where that block holds at most half
-    (`triton_attention`'s TAIL: the forward, and the query kernel where Compose's mixing is
-    not padded in its contraction, `triton_core.dot_min`, from 32 rows on), else all."""
-    from dcvit.kernels.triton_core import _padded_heads, dot_min
-    unpadded_mix = _padded_heads(H) >= dot_min(32, arch)[2]
-    tail = kernel == "forward_kernel" or (kernel == "backward_query_kernel" and unpadded_mix)
-    half = tail and block >= 32 and 0 < N % block <= block // 2
-    return block // 2 if half else block
+def last_rows(tail: bool, block: int, N: int) -> int:
+    """The rows of the body that the last program runs over N tokens in blocks of ``block``:
+    half of them where the kernel has a half-height body (``tail``: its `block_sizes`
+    candidate's TAIL) and that block holds at most half, else all."""
+    return block // 2 if tail and 0 < N % block <= block // 2 else block
 
 
 def roofline_ms(work: Dict[str, float], gpu: Dict = H100) -> Dict[str, float]:

@@ -92,10 +92,10 @@ smaller blocks, `triton_core.block_sizes`) one masked loop takes every block, as
 with both, the key kernel with a mask per head at 16 heads spilled 8-12 B.
 
 The last row block. The forward's and the query kernel's programs take their rows in a
-body of their own (`_forward_rows`, `_query_rows`); where a program's block is 32 rows or
-more (``TAIL``, on by default; the query kernel's where Compose's mixing is not padded), the
-last one, when it holds at most half of them, runs the body of BT/2 rows instead: at 197
-tokens the seventh block of 32 holds 5 queries. Both
+body of their own (`_forward_rows`, `_query_rows`); with ``TAIL`` (`triton_core.block_sizes`
+sets it for 32-row blocks, the query kernel's where Compose's mixing is not padded, and
+`dcvit.bench.kernels` counts by it) the last one, when it holds at most half of its rows,
+runs the body of BT/2 rows instead: at 197 tokens the seventh block of 32 holds 5 queries. Both
 bodies are compiled into the kernel (its registers the larger's), each program runs one
 (about 6 % fewer instructions per launch at 197 tokens, docs/performance.md). The key
 kernel's blocks are at most 16 keys: its half-height last program would save 2 %.
@@ -641,13 +641,13 @@ def forward_kernel(Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2,
                    BT: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, HAS_MASK: tl.constexpr,
                    MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                    HAS_MK2: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-                   FAST_EXP: tl.constexpr, TAIL: tl.constexpr = True):
-    """`_forward_rows` for the BT queries from program_id 0 × BT. With TAIL, blocks of 32
-    queries or more leave a last block that holds at most half of them to a body of BT/2
-    rows (at 197 tokens the seventh of 32 holds 5): its tiles and products half the size.
-    Both bodies are compiled into the kernel; each program runs one."""
+                   FAST_EXP: tl.constexpr, TAIL: tl.constexpr):
+    """`_forward_rows` for the BT queries from program_id 0 × BT. With TAIL (`triton_core.
+    block_sizes`: blocks of 32 queries) a last block that holds at most half of them runs a
+    body of BT/2 rows (at 197 tokens the seventh of 32 holds 5): its tiles and products half
+    the size. Both bodies are compiled into the kernel; each program runs one."""
     row0 = tl.program_id(0) * BT
-    if TAIL and BT >= 32:
+    if TAIL:
         if T - row0 <= BT // 2:                                            # the last, at most half full
             _forward_rows(row0, Q, K, V, O, LSE, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt, sqd, skb, skh, sks, skd,
                           svb, svh, svs, svd, sob, soh, sot, sod, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n,
@@ -826,14 +826,14 @@ def backward_query_kernel(Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1
                           MASK_HEADS: tl.constexpr, HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, HAS_POST: tl.constexpr,
                           HAS_MK2: tl.constexpr, WANT_DMQ1: tl.constexpr, WANT_DMQ2: tl.constexpr,
                           DS_MAP: tl.constexpr, PRECISION: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-                          FAST_EXP: tl.constexpr, TAIL: tl.constexpr = True):
-    """`_query_rows` for the BT queries from program_id 0 × BT; with TAIL a last block of 32
-    queries or more that holds at most half of them takes a body of BT/2 rows, as the
-    forward's (`forward_kernel`), where Compose's mixing is not padded in its contraction
-    (HP ≥ DOT_K: Triton 3.8 on; under 3.5-3.7 the two bodies together spilled 8-56 B)."""
+                          FAST_EXP: tl.constexpr, TAIL: tl.constexpr):
+    """`_query_rows` for the BT queries from program_id 0 × BT; with TAIL a last block that
+    holds at most half of them takes a body of BT/2 rows, as the forward's (`forward_kernel`;
+    `triton_core.block_sizes` sets it where Compose's mixing is not padded in its
+    contraction, 3.8 on: under 3.5-3.7 the two bodies together spilled 8-56 B)."""
     row0 = tl.program_id(0) * BT
-    if TAIL and BT >= 32 and HP >= DOT_K:                                  # not with the mixing padded:
-        if T - row0 <= BT // 2:                                            # 8-56 B spilled (3.5-3.7)
+    if TAIL:
+        if T - row0 <= BT // 2:                                            # the last, at most half full
             _query_rows(row0, Q, K, V, DO, LSE, DELTA, DQ, DMQ1, DMQ2, DS, MASK, MQ1, MK1, MQ2, MK2, sqb, sqh, sqt,
                         sqd, skb, skh, sks, skd, svb, svh, svs, svd, sgb, sgh, sgt, sgd, sdb, sdh, sdt, sdd, srb, srh,
                         srt, srs, smb, smh, smt, sms, a1b, a1n, b1b, b1n, a2b, a2n, b2b, b2n, T, S, scale, H, D, HP,

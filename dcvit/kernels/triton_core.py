@@ -235,7 +235,12 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     ``.maxnreg``): without it ptxas fits some light variants in 128 registers, for two
     blocks per SM, and spills a few bytes to do so (the forward at 16 padded heads went
     without it until the scale was folded in: then two masked variants spilled with it, now
-    four of its 8-query variants spill without it)."""
+    four of its 8-query variants spill without it).
+    The forward's and query kernel's candidates say whether a last block that holds at most
+    half of its rows runs a body of half the rows (``TAIL``, `triton_attention`): where their
+    blocks are 32 rows, in the query kernel where Compose's mixing is not padded in its
+    contraction (3.8 on; under 3.5-3.7 its two bodies together spilled 8-56 B). The kernels
+    take it as given and `dcvit.bench.kernels` counts by it."""
     if kernel == "score_grad_products_kernel":          # one program per (head, sequence), S ≤ BS keys
         return ([dict(BT=PRODUCTS_ROWS, BS=PRODUCTS_MAX_KEYS, G=1, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS)]
                 if score_grad_map(H, arch, mask) else [])
@@ -258,7 +263,10 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
             blocks = ([(32, 16, 1)] if large else []) + [(16, 16, 1)]
     else:
         blocks = ([(16, 16, 1)] if large and unpadded_mix and not wide else []) + [(16, 8, g)]
-    return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS) for bt, bs, g in blocks]
+    rows = kernel != "backward_key_kernel"             # a kernel over row blocks: its TAIL
+    return [dict(BT=bt, BS=bs, G=g, num_warps=8, num_stages=1, maxnreg=MAX_REGISTERS,
+                 **(dict(TAIL=bt >= 32 and (kernel == "forward_kernel" or unpadded_mix)) if rows else {}))
+            for bt, bs, g in blocks]
 
 
 def _rows_padded(arch: int) -> bool:
@@ -284,6 +292,7 @@ def score_grad_map(H: int, arch: int = 90, mask: bool = False) -> bool:
 
 
 _tuned: Dict[Tuple, object] = {}
+_OPTIONS = ("num_warps", "num_stages", "maxnreg")      # a candidate's compile options; the rest are constexprs
 
 
 def _arch(device: torch.device) -> int:
@@ -301,16 +310,15 @@ def _launch(name: str, device: torch.device, H: int, rows: int, block: str, B: i
     sets ``DCVIT_TRITON_AUTOTUNE=0`` (tests: one compilation per kernel variant)."""
     kernel = getattr(_kernels(device), name)
     arch = _arch(device)
+    candidates = block_sizes(H, name, arch, kwargs["HAS_MASK"])
     if interpreted() or os.environ.get("DCVIT_TRITON_AUTOTUNE", "1") == "0":
-        c = block_sizes(H, name, arch, kwargs["HAS_MASK"])[0]
-        kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, BT=c["BT"], BS=c["BS"], G=c["G"],
-                                                          num_warps=c["num_warps"], num_stages=c["num_stages"],
-                                                          maxnreg=c["maxnreg"], **COMPILE_OPTIONS, **kwargs)
+        c = candidates[0]
+        kernel[(triton.cdiv(rows, c[block]), B, c["G"])](*args, **c, **COMPILE_OPTIONS, **kwargs)
         return
     key = (name, H, arch, kwargs["HAS_MASK"])
     if key not in _tuned:
-        configs = [triton.Config({"BT": c["BT"], "BS": c["BS"], "G": c["G"]}, num_warps=c["num_warps"],
-                                 num_stages=c["num_stages"], maxnreg=c["maxnreg"]) for c in block_sizes(H, name, arch, kwargs["HAS_MASK"])]
+        configs = [triton.Config({k: v for k, v in c.items() if k not in _OPTIONS}, **{k: c[k] for k in _OPTIONS})
+                   for c in candidates]
         _tuned[key] = triton.autotune(configs, key=["T", "S", "D"])(kernel)
     _tuned[key][lambda meta: (triton.cdiv(rows, meta[block]), B, meta["G"])](*args, **COMPILE_OPTIONS, **kwargs)
 
