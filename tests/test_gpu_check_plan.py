@@ -72,12 +72,15 @@ def test_the_score_gradient_map_is_priced_where_it_is_used(estimate):
     """At 16 padded heads (B/16) dq and dk come from products on the scores' gradient map
     (`triton_core.score_grad_map`): the query kernel's bytes include the map it writes, the
     products kernel reads it once (197 tokens, at most `PRODUCTS_MAX_KEYS`), and the
-    backward's estimate adds them; S/16 has no map."""
+    backward's estimate adds them; S/16 has no map. The map's rows are laid out 208 keys
+    apart at 197 (`triton_core.score_grad_map_row`, aligned for vector stores): its bytes are
+    counted so; beyond 256 keys, read by two products, they are not padded."""
     from dcvit.bench import kernels
     small, base = estimate["models"]["S/16"], estimate["models"]["B/16"]
     assert small["products"] is None and base["products"] is not None
     B, H, N, D = estimate["batch"], base["heads"], base["tokens"], base["head_dim"]
-    nmap = 2 * B * H * N * N
+    assert N == 197
+    nmap = 2 * B * H * N * 208
     assert base["products"]["bytes"] == nmap + 4 * 2 * B * N * H * D
     assert kernels.grad_map_work(B, H, 300, D)["bytes"] == 2 * 2 * B * H * 300 * 300 + 4 * 2 * B * 300 * H * D
     tok = B * N * H                     # bwd_q: reads q, k, v, dO, lse, 4 matrices; writes delta, dMq1, dMq2, the map

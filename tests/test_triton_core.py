@@ -278,14 +278,17 @@ def test_score_gradient_map_products(monkeypatch, max_keys):
     """dq and dk from the score-gradient map: by `score_grad_products_kernel`, which reads
     the map once with all keys in one program (S ≤ `PRODUCTS_MAX_KEYS`), or else by two
     batched products; 21 queries (a partial block) by 37 keys (padded to 64):
-    the formula's gradients either way."""
+    the formula's gradients either way. For the one kernel the map's rows are laid out 48
+    keys apart (`score_grad_map_row`: aligned for vector stores), for the products 37."""
     launched = []
     run = triton_core._launch_products
-    monkeypatch.setattr(triton_core, "_launch_products", lambda *a: (launched.append(a[1:3]), run(*a)))
+    monkeypatch.setattr(triton_core, "_launch_products",
+                        lambda *a: (launched.append((*a[1:3], a[3][0].stride(2))), run(*a)))
     monkeypatch.setattr(triton_core, "PRODUCTS_MAX_KEYS", max_keys)
     assert triton_core.score_grad_map(9)
+    assert triton_core.score_grad_map_row(37) == (48 if max_keys >= 37 else 37)
     _assert_matches(*_case(2, 9, 21, 37, 32, mask=None, seed=37), scale=32 ** -0.5)
-    assert launched == ([(2, 9)] if max_keys >= 37 else [])
+    assert launched == ([(2, 9, 48)] if max_keys >= 37 else [])
 
 
 def test_matrices_padded_once_a_layer(monkeypatch):

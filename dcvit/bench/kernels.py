@@ -480,7 +480,8 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     (`triton_attention._mm`): its FLOPs count as ``bf16``, and casting its operands (per
     stage the tile, whose cast the compiled kernels share between the two sides, and each
     side's matrices; 0.5 operation per element: a cvt packs two) as ``fp32``."""
-    from dcvit.kernels.triton_core import block_sizes, dot_min, matrix_side, score_grad_map, _padded_heads
+    from dcvit.kernels.triton_core import block_sizes, dot_min, matrix_side, score_grad_map, score_grad_map_row
+    from dcvit.kernels.triton_core import _padded_heads
     c = block_sizes(H, kernel, 90)[0]
     grad_map = score_grad_map(H)                        # dq, dk left to the map's products (`grad_map_work`)
     hp, dp = _padded_heads(H), max(16, 1 << (D - 1).bit_length())
@@ -536,7 +537,7 @@ def kernel_work(kernel: str, B: int, H: int, N: int, D: int, half: int = 2) -> D
     sizes = (tok * D * half, tok * 4, B * N * side * side * 4)
     nbytes = sum(n * size for n, size in zip(reads + writes, 2 * sizes))
     if grad_map and kernel == "backward_query_kernel":
-        nbytes += B * H * N * N * half                  # the score-gradient map written
+        nbytes += B * H * N * score_grad_map_row(N) * half   # the score-gradient map written, rows padded
     return dict(bf16=pairs * bf16, tf32=pairs * tf32, fp32=pairs * (tile * ops + cast_ops), exp=pairs * tile * exps,
                 bytes=nbytes)
 
@@ -545,11 +546,12 @@ def grad_map_work(B: int, H: int, N: int, D: int, half: int = 2) -> Dict[str, fl
     """dq = scale · ds k and dk = scale · dsᵀ q from the score-gradient map
     (`triton_core.score_grad_map`): their FLOPs on bf16 tensor cores, q and k read and dq
     and dk written once, and the map read once by `score_grad_products_kernel` where N ≤
-    `triton_core.PRODUCTS_MAX_KEYS`, else by each of two batched products (cuBLAS)."""
-    from dcvit.kernels.triton_core import PRODUCTS_MAX_KEYS
+    `triton_core.PRODUCTS_MAX_KEYS`, else by each of two batched products (cuBLAS); its rows
+    as they are laid out (`triton_core.score_grad_map_row`: the padding's sectors are read)."""
+    from dcvit.kernels.triton_core import PRODUCTS_MAX_KEYS, score_grad_map_row
     reads = 1 if N <= PRODUCTS_MAX_KEYS else 2
     return dict(bf16=2 * 2 * B * H * N * N * D, tf32=0, fp32=0, exp=0,
-                bytes=reads * B * H * N * N * half + 4 * B * N * H * D * half)
+                bytes=reads * B * H * N * score_grad_map_row(N) * half + 4 * B * N * H * D * half)
 
 
 def padding_work(B: int, H: int, N: int, matrices: int = 4) -> Dict[str, float]:

@@ -242,16 +242,21 @@ def _t(x):
 
 
 @triton.jit
-def _matrices(HAS: tl.constexpr, M, rows, n_stride, rows_ok, MH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr):
+def _matrices(HAS: tl.constexpr, M, rows, n_stride, rows_ok, MH: tl.constexpr, H: tl.constexpr, HP: tl.constexpr,
+              TRANS: tl.constexpr = False):
     """The H×H matrices of the tokens on a tile's axis (rows: their indices, (X, 1, 1)) as an
-    (X, HP, HP) float32 tile ``m[x, g, h]``, zero-padded; where the stage or side is absent
-    (not HAS), nothing to load (0). Each token's matrix is contiguous, rows of MH: H, or HP
-    where `triton_core` padded them with zeros (no mask on the heads, whole vector loads).
-    Loaded once per block: a stage and its backward take the same tile, the latter
-    transposed in registers (`_mix`)."""
+    (X, HP, HP) float32 tile ``m[x, g, h]``, zero-padded, or with TRANS transposed,
+    ``m[x, h, g]`` (by transposed offsets); where the stage or side is absent (not HAS),
+    nothing to load (0). Each token's matrix is contiguous, rows of MH: H, or HP where
+    `triton_core` padded them with zeros (no mask on the heads, whole vector loads).
+    Loaded once per block: a stage and its backward take the same tile, one of them
+    transposed (`_mix`), but where that transpose is a pass through shared memory (the key
+    kernel's query side at 16 padded heads) each use loads its own."""
     if HAS:
         g = tl.arange(0, HP)[None, :, None]
         h = tl.arange(0, HP)[None, None, :]
+        if TRANS:
+            g, h = tl.arange(0, HP)[None, None, :], tl.arange(0, HP)[None, :, None]
         if MH == HP:
             out = tl.load(M + rows * n_stride + g * MH + h, mask=rows_ok, other=0.0)
         else:
@@ -281,7 +286,7 @@ def _operand_order(x, AXIS: tl.constexpr):
 
 @triton.jit
 def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, acc, MIX: tl.constexpr, DOT_MN: tl.constexpr,
-         DOT_K: tl.constexpr, IN_PLACE: tl.constexpr = False):
+         DOT_K: tl.constexpr, IN_PLACE: tl.constexpr = False, MT: tl.constexpr = False):
     """``out[x, y, h] = acc[x, y, h] + Σ_g a[x, y, g] · m[x, g, h0 + h]``: an (X, Y, HP) float32
     tile times the matrices of the tokens on its axis 0 (`_matrices`), one batched product
     accumulating onto acc, for the HO output heads from h0: an (X, Y, HO) tile. TR applies
@@ -289,13 +294,15 @@ def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, acc, MIX: tl.constexpr, D
     product's rows, which a tensor-core product pads to 16: taken transposed instead,
     ``(mᵀ aᵀ)ᵀ``, the 8 as its columns (the transposes fold into the caller's permutes).
     IN_PLACE: a is held as a product with these rows left it (`_compose`'s FROM), and the
-    contraction is not padded: taken in `_operand_order`."""
+    contraction is not padded: taken in `_operand_order`. MT: m is given transposed
+    (`_matrices`' TRANS): the product takes it so without a transpose where TR, or the
+    transposed product, asks for m[x, h, g]."""
     if a.shape[1] < 16 and HO == a.shape[2] and HO >= 16:
-        if not TR:
+        if TR == MT:
             m = tl.permute(m, (0, 2, 1))                                    # m[x, h, g]
         out = tl.permute(_mm(m, tl.permute(a, (0, 2, 1)), tl.permute(acc, (0, 2, 1)), MIX, DOT_MN, DOT_K), (0, 2, 1))
     else:
-        if TR:
+        if TR != MT:
             m = tl.permute(m, (0, 2, 1))
         m = _group(m, h0, HO)
         if IN_PLACE and a.shape[2] >= DOT_K:
@@ -308,7 +315,7 @@ def _mix(a, m, TR: tl.constexpr, h0, HO: tl.constexpr, acc, MIX: tl.constexpr, D
 @triton.jit
 def _compose(a, m0, HAS0: tl.constexpr, m1, HAS1: tl.constexpr, TR: tl.constexpr, o0, HO: tl.constexpr,
              MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr, CHAIN: tl.constexpr,
-             FROM: tl.constexpr = 0):
+             FROM: tl.constexpr = 0, M1T: tl.constexpr = False):
     """``out[x, y, h] = Σ_g a[x, y, g] · (m0[x, g, o0 + h] + m1[y, g, o0 + h])`` for an (X, Y, HP)
     tile and the HO output heads from o0: m0 the matrices of the tokens of axis 0, m1 those
     of axis 1 (`_matrices`; either may be absent); TR: with the matrices transposed (a
@@ -320,18 +327,18 @@ def _compose(a, m0, HAS0: tl.constexpr, m1, HAS1: tl.constexpr, TR: tl.constexpr
     an element-wise function of the output of a `_compose` on the same axes, whose last
     product is its second term's when CHAIN, else its first's (the compiler folds the sum
     into that product's accumulator). That term contracts in `_operand_order` (`_mix`'s
-    IN_PLACE). 0: a comes from elsewhere."""
+    IN_PLACE). 0: a comes from elsewhere. M1T: m1 is given transposed (`_mix`'s MT)."""
     out = tl.zeros((a.shape[0], a.shape[1], HO), tl.float32)
     if HAS0:
         out = _mix(a, m0, TR, o0, HO, out, MIX, DOT_MN, DOT_K, FROM == 1)
     if HAS1:
         at = tl.permute(a, (1, 0, 2))
         if CHAIN or not HAS0:                       # alone: its product's accumulator is the zeros
-            out = tl.permute(_mix(at, m1, TR, o0, HO, tl.permute(out, (1, 0, 2)), MIX, DOT_MN, DOT_K, FROM == 2),
-                             (1, 0, 2))
+            out = tl.permute(_mix(at, m1, TR, o0, HO, tl.permute(out, (1, 0, 2)), MIX, DOT_MN, DOT_K, FROM == 2,
+                                  M1T), (1, 0, 2))
         else:
             out += tl.permute(_mix(at, m1, TR, o0, HO, tl.zeros((a.shape[1], a.shape[0], HO), tl.float32), MIX,
-                                   DOT_MN, DOT_K, FROM == 2), (1, 0, 2))
+                                   DOT_MN, DOT_K, FROM == 2, M1T), (1, 0, 2))
     return out
 
 
@@ -480,7 +487,7 @@ def _logit_scale(scale, HAS_MASK: tl.constexpr):
 def _logits(s0, scale, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, MASK, smb, smh, smt, sms,
             mq1, mk1, H: tl.constexpr, HP: tl.constexpr, HAS_MASK: tl.constexpr, MASK_HEADS: tl.constexpr,
             HAS_PRE: tl.constexpr, HAS_MK1: tl.constexpr, MIX: tl.constexpr, DOT_MN: tl.constexpr, DOT_K: tl.constexpr,
-            CHAIN: tl.constexpr):
+            CHAIN: tl.constexpr, M1T: tl.constexpr = False):
     """The logits after pre-compose (`_compose`'s CHAIN) and the mask, -inf at padded keys,
     in units of `_logit_scale` (unscaled without a mask), from the unscaled scores s0 = q·kᵀ
     laid out (rows, cols, heads): pre-compose is linear, so it commutes with the scale.
@@ -490,7 +497,8 @@ def _logits(s0, scale, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, 
     tile and broadcast. One per head is loaded in the tile's layout, but by the key kernel where
     `tl.dot` takes 8-row sides (3.5 on) as (heads, queries, keys) and permuted: in the
     tile's layout it spilled 8-16 B at 16 heads under 3.5 and 3.6, permuted under 3.4
-    8-16 B at 3 and 6 heads (docs/performance.md)."""
+    8-16 B at 3 and 6 heads (docs/performance.md). M1T: axis 1's matrices mk1 or mq1 are
+    given transposed (`_compose`)."""
     x = s0
     h = tl.arange(0, HP)[None, None, :]
     if Q_SIDE:
@@ -502,7 +510,7 @@ def _logits(s0, scale, b, t, s, T, S, Q_SIDE: tl.constexpr, EDGE: tl.constexpr, 
         tq, sk = tl.permute(t, (1, 0, 2)), s
         t_ok, s_ok = _within(tq, T, EDGE), sk < S
         if HAS_PRE:
-            x = _compose(s0, mk1, HAS_MK1, mq1, True, False, 0, HP, MIX, DOT_MN, DOT_K, CHAIN)
+            x = _compose(s0, mk1, HAS_MK1, mq1, True, False, 0, HP, MIX, DOT_MN, DOT_K, CHAIN, 0, M1T)
     if HAS_MASK:
         if not MASK_HEADS:
             m = tl.load(MASK + b * smb + tq * smt + sk * sms, mask=t_ok & s_ok, other=0.0)
@@ -867,12 +875,18 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
     dkt0, dkt1, dvt0, dvt1, dm1t, dm2 = state
     tr = start + tl.arange(0, BT)[None, :, None]
     t = start + tl.arange(0, BT)[:, None, None]
-    mq1 = _matrices(HAS_PRE, MQ1, t, a1n, _within(t, T, EDGE), MH, H, HP)               # the queries' matrices
+    # 8 keys at 16 padded heads: the queries' side of a stage that gives all heads is taken
+    # transposed (`_mix`), so the queries' matrices are loaded as each product takes them, not
+    # transposed through shared memory: mq1ᵀ (pre-compose; its backward, by head group, wants
+    # it so too), mq2ᵀ for post-compose, where it gives all heads, and mq2 for its backward
+    QT: tl.constexpr = s.shape[0] < 16 and HP >= 16
+    QTG: tl.constexpr = QT and HG == HP
+    mq1 = _matrices(HAS_PRE, MQ1, t, a1n, _within(t, T, EDGE), MH, H, HP, QT)           # the queries' matrices
     mq2 = _matrices(HAS_POST, MQ2, t, a2n, _within(t, T, EDGE), MH, H, HP)
     s0 = _t(_dot_by_halves(Q, hh * sqh + tr * sqt, sqd, hm & _within(tr, T, EDGE), kt0, kt1, D, DP,
                            PRECISION, DOT_MN))                               # unscaled
     x = _logits(s0, scale, b, t, s, T, S, False, EDGE, MASK, smb, smh, smt, sms,
-                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K, True)   # (BS, BT, HP)
+                mq1, mk1, H, HP, HAS_MASK, MASK_HEADS, HAS_PRE, HAS_MK1, MIX, DOT_MN, DOT_K, True, QT)   # (BS, BT, HP)
     stat = h3 * T + tr
     xs = _logit_scale(scale, HAS_MASK)
     p = _exp(x, tl.load(LSE + stat, mask=(h3 < H) & _within(tr, T, EDGE), other=0.0), xs, FAST_EXP)
@@ -880,7 +894,11 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
         p = tl.where(tr < T, p, 0.0)
     tc = start + tl.arange(0, BT)[None, None, :]
     if HAS_POST:                                                        # dv first: p2 dies here
-        p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K, True, 2)
+        if QTG:
+            p2 = _compose(p, mk2, HAS_MK2, _matrices(HAS_POST, MQ2, t, a2n, _within(t, T, EDGE), MH, H, HP, True),
+                          True, False, h0, HG, MIX, DOT_MN, DOT_K, True, 2, True)
+        else:
+            p2 = _compose(p, mk2, HAS_MK2, mq2, True, False, h0, HG, MIX, DOT_MN, DOT_K, True, 2)
     else:
         p2 = _group(p, h0, HG)
     dvt0, dvt1 = _acc_by_halves(dvt0, dvt1, DO, hg * sgh + tc * sgt, sgd, gm & _within(tc, T, EDGE),
@@ -897,7 +915,7 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
             dm1t = _matrix_grad(dm1t, ds, _group(s0, h0, HG), MIX, DOT_MN, DOT_K)
     if not DS_MAP:
         if HAS_PRE:                                                     # unchained: in place and chained,
-            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, False, 2)   # 8 B spilled
+            ds = _compose(ds, mk1, HAS_MK1, mq1, True, True, h0, HG, MIX, DOT_MN, DOT_K, False, 2, QT)   # 8 B spilled
         else:
             ds = _group(ds, h0, HG)
         dkt0, dkt1 = _acc_by_halves(dkt0, dkt1, Q, hg * sqh + tc * sqt, sqd, gm & _within(tc, T, EDGE),
