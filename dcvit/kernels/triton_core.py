@@ -296,7 +296,7 @@ def score_grad_map_row(S: int) -> int:
     kernel reads the map (S ≤ `PRODUCTS_MAX_KEYS`), so that every row starts 32-byte aligned
     and Triton, which specialises a stride divisible by 16, writes and reads it in vectors
     (at 197 keys the query kernel's stores of a 16 × 16 block went from twelve 2-byte stores
-    a thread to 16-byte ones, 3 % of its instructions, for 5.6 % more bytes in the map);
+    a thread to vector ones, 3 % of its instructions, for 5.6 % more bytes in the map);
     beyond, S (the batched products take the map as a contiguous (B·H, T, S) tensor)."""
     return -(-S // 16) * 16 if S <= PRODUCTS_MAX_KEYS else S
 
