@@ -698,10 +698,10 @@ def _query_block(start, EDGE: tl.constexpr, GRAD: tl.constexpr, state, lse, delt
     s = start + tl.arange(0, BS)[:, None, None]
     mk1 = _matrices(HAS_PRE and HAS_MK1, MK1, s, b1n, _within(s, S, EDGE), MH, H, HP)    # the keys' matrices
     mk2 = _matrices(HAS_POST and HAS_MK2, MK2, s, b2n, _within(s, S, EDGE), MH, H, HP)
-    if t.shape[0] < 32:                         # k, v addressed from the block's first key (`_forward_block`);
-        k0 = start                              # at 32 queries the offsets so held spilled 8-16 B on sm_80:
-        kr = tl.arange(0, BS)                   # from the sequence's first there
-    else:
+    if t.shape[0] < 32 and DOT_MN < 16:         # k, v addressed from the block's first key (`_forward_block`);
+        k0 = start                              # at 32 queries the offsets so held spilled 8-16 B on sm_80,
+        kr = tl.arange(0, BS)                   # under 3.4 (DOT_MN 16) 8 B at 6 heads: from the sequence's
+    else:                                       # first there
         k0 = 0
         kr = start + tl.arange(0, BS)
     s0 = _t(_dot_by_halves(K + k0 * sks, hh * skh + kr[None, :, None] * sks, skd, hm & _within(sr, S, EDGE),
