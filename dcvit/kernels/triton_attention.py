@@ -895,10 +895,10 @@ def _key_block(start, EDGE: tl.constexpr, state, b, s, h3, hh, hm, hg, gm, h0, k
     QTG: tl.constexpr = QT and HG == HP
     mq1 = _matrices(HAS_PRE, MQ1, t, a1n, _within(t, T, EDGE), MH, H, HP, QT)           # the queries' matrices
     mq2 = _matrices(HAS_POST, MQ2, t, a2n, _within(t, T, EDGE), MH, H, HP)
-    if s.shape[0] < 16:                 # q, do, lse, delta addressed from the block's first query (`_forward_block`);
+    if s.shape[0] < 16 and HP >= 16:    # q, do, lse, delta addressed from the block's first query (`_forward_block`);
         t0 = start                      # at 16 keys the offsets so held spilled on sm_80 (Triton 3.9: 32 B) and
-        qr = tl.arange(0, BT)           # took more instructions than they saved under 3.9: from the sequence's
-    else:                               # first there
+        qr = tl.arange(0, BT)           # took more instructions than they saved under 3.9, at 8 keys and 8 padded
+    else:                               # heads (3.5-3.7) 1-2 % more: from the sequence's first there
         t0 = 0
         qr = start + tl.arange(0, BT)
     s0 = _t(_dot_by_halves(Q + t0 * sqt, hh * sqh + qr[None, :, None] * sqt, sqd, hm & _within(tr, T, EDGE),
