@@ -187,7 +187,6 @@ def test_which_candidates_take_the_half_height_body(monkeypatch, mins, tails):
         assert not any(c["TAIL"] for c in rest + triton_core.block_sizes(6, kernel, mask=True)), kernel
 
 
-
 def test_only_the_key_kernels_16_by_16_blocks_on_sm90_load_a_step_ahead(monkeypatch):
     """Two pipeline stages (each step's loads issued during the step before) for the key
     kernel's 16 × 16 candidate on sm_90 alone: on sm_80 it spilled, elsewhere the loaded
@@ -201,6 +200,7 @@ def test_only_the_key_kernels_16_by_16_blocks_on_sm90_load_a_step_ahead(monkeypa
                         ahead = (kernel == "backward_key_kernel" and arch == 90 and (c["BT"], c["BS"]) == (16, 16))
                         assert c["num_stages"] == (2 if ahead else 1), (arch, H, kernel, mask, c)
     assert triton_core.block_sizes(6, "backward_key_kernel", 90)[0]["num_stages"] == 2
+
 
 @pytest.mark.parametrize("mask,H", [(None, 3), ("full", 3), ("full", 9), ("bool", 3), ("large", 3)])
 def test_masks(mask, H):

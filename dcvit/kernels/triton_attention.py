@@ -102,12 +102,13 @@ kernel's blocks are at most 16 keys: its half-height last program would save 2 %
 
 Loads and stores of q, k, v and their gradients go through explicit strides (they may be
 views of the qkv projection), a step's from the block's first row where registers allow
-(the offsets within a block computed once, `_forward_block`); each token's H×H matrix is contiguous (`triton_core` makes it
-so), so its (g, h) offsets are constants: vector loads and no address arithmetic per
-element. The kernels never import the dispatcher; `dcvit.kernels.triton_core`
-launches them. The module runs past 400 lines because the attention kernels and the tile
-helpers they share (`_mm`, `_mix`, `_compose`, the halved loads and accumulators) are read,
-compiled and checked for registers together (`dcvit.bench.kernels`).
+(the offsets within a block computed once, `_forward_block`); each token's H×H matrix is
+contiguous (`triton_core` makes it so), so its (g, h) offsets are constants: vector loads
+and no address arithmetic per element. The kernels never import the dispatcher;
+`dcvit.kernels.triton_core` launches them. The module runs past 400 lines because the
+attention kernels and the tile helpers they share (`_mm`, `_mix`, `_compose`, the halved
+loads and accumulators) are read, compiled and checked for registers together
+(`dcvit.bench.kernels`).
 """
 import triton
 import triton.language as tl
