@@ -209,6 +209,8 @@ def _refuses(core: str, q: Tensor, weights: bool, mask: Optional[Tensor]) -> Opt
         return f"the Triton kernels take float32/bfloat16/float16, got {q.dtype}"
     if H > triton_core.MAX_HEADS:
         return f"{H} heads, more than the Triton kernels' {triton_core.MAX_HEADS}"
+    if mask is not None:
+        return triton_core.mask_unsupported(str(q.device), H)
     return None
 
 

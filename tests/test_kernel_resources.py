@@ -83,6 +83,21 @@ def test_shared_memory_launches_on_an_a100(rows):
     assert not over, "\n".join(over)
 
 
+@pytest.mark.slow
+def test_gpus_with_99_kib_of_shared_memory_get_variants_that_fit():
+    """sm_86 and sm_89 (RTX 30 and 40, A10, A40, L4, L40S) give a block 99 KiB of shared
+    memory: the candidates `block_sizes` gives them, at every head count without a mask and
+    at 3 and 6 heads with one (at 9-16 the dispatcher declines a mask there,
+    `triton_core.mask_unsupported`), compile for sm_86 without spilling and fit it."""
+    if not kernel_report.ptxas(86):
+        pytest.skip("this Triton's ptxas does not assemble for sm_86")
+    vs = (kernel_report.variants(HEADS, (64,), ("bf16",), (86,), (False,), [("qk", "qk")])
+          + kernel_report.variants((3, 6), (64,), ("bf16",), (86,), (True,), [("qk", "qk")]))
+    rows = kernel_report.measure(vs, jobs=2)
+    assert len(rows) == len(vs) and problems(rows) == ""
+    assert max(r["shared"] for r in rows) <= kernel_report.SMALL_SHARED_BUDGET < kernel_report.SHARED_BUDGET
+
+
 def test_products_run_on_tensor_cores(rows):
     """q·kᵀ, p·v and their gradients are tensor-core instructions in every variant."""
     assert all(r["tensor_core"] > 0 for r in rows if "error" not in r)

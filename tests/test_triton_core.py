@@ -288,6 +288,39 @@ def test_unmasked_block_candidates_and_the_score_gradient_map(monkeypatch, H, ca
     _assert_matches(*_case(2, H, 37, 37, 32, mask=None, seed=31, strided=True), scale=32 ** -0.5)
 
 
+def test_gpus_with_99_kib_of_shared_memory_get_blocks_that_fit(monkeypatch):
+    """On sm_86 and sm_89 (`small_shared`) at 16 padded heads, without a mask: the forward in
+    8 × 16 blocks, the query kernel in 8 × 8 and the key kernel in 16 × 8 with its heads in two
+    groups, both with the score-gradient map; run as there (9 heads, 21 queries, 37 keys:
+    partial blocks on both axes), the formula's output and gradients."""
+    monkeypatch.setattr(triton_core, "_arch", lambda device: 86)
+    firsts = [triton_core.block_sizes(9, k, 86)[0] for k in ("forward_kernel", "backward_query_kernel",
+                                                                  "backward_key_kernel")]
+    assert [(c["BT"], c["BS"], c["G"]) for c in firsts] == [(8, 16, 1), (8, 8, 1), (16, 8, 2)]
+    assert triton_core.score_grad_map(9, 86)
+    _assert_matches(*_case(2, 9, 21, 37, 32, mask=None, seed=41), scale=32 ** -0.5)
+
+
+def test_a_mask_at_9_to_16_heads_is_declined_on_gpus_with_99_kib(monkeypatch):
+    """There the backward kernels with a mask need 100-112 KiB at 16 padded heads: a forced
+    Triton core refuses a mask, with the reason, and the one-time check runs without one
+    (what will run); up to 8 heads, and on other GPUs, a mask is taken and checked."""
+    monkeypatch.setattr(triton_core, "_arch", lambda device: 86)
+    q = torch.zeros(1, 9, 5, 8, device=DEVICE)
+    mask = torch.zeros(5, 5, device=DEVICE)
+    with pytest.raises(ValueError, match=r"sm_86 \(99 KiB of shared memory a block\).*without a mask they fit"):
+        fused.select_impl("triton", q, mask=mask)
+    assert fused.select_impl("triton", q) == ("triton", "forced")
+    assert fused.select_impl("triton", q[:, :6], mask=mask) == ("triton", "forced")
+    checked = []
+    monkeypatch.setattr(triton_core, "_checked", {})
+    monkeypatch.setattr(triton_core, "_self_check", lambda *a, masked: checked.append(masked) or 0.0)
+    assert triton_core.works_on(q) and triton_core.works_on(q[:, :6])
+    assert checked == [False, True]
+    monkeypatch.setattr(triton_core, "_arch", lambda device: 80)
+    assert triton_core.mask_unsupported(str(DEVICE), 9) is None
+
+
 @pytest.mark.parametrize("max_keys", [256, 16], ids=["one-kernel", "two-products"])
 def test_score_gradient_map_products(monkeypatch, max_keys):
     """dq and dk from the score-gradient map: by `score_grad_products_kernel`, which reads
@@ -584,7 +617,7 @@ def test_self_check_passes_and_is_remembered(monkeypatch):
     monkeypatch.setattr(triton_core, "_checked", {})
     q = torch.zeros(2, 2, 5, 8, device=DEVICE)
     assert triton_core.works_on(q)
-    monkeypatch.setattr(triton_core, "_self_check", lambda *a: pytest.fail("checked twice"))
+    monkeypatch.setattr(triton_core, "_self_check", lambda *a, **k: pytest.fail("checked twice"))
     assert triton_core.works_on(q)
     assert not triton_core.works_on(torch.zeros(1, 17, 5, 8, device=DEVICE))   # too many heads
     assert not triton_core.works_on(q.double())
@@ -597,7 +630,7 @@ def test_triton_3_4_is_declined_where_it_spills(monkeypatch):
     monkeypatch.setattr(triton_core, "_checked", {})
     monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: (16, 16, 16))
     assert triton_core.known_to_spill(90, 6) is None
-    monkeypatch.setattr(triton_core, "_self_check", lambda *a: pytest.fail("compiled where it spills"))
+    monkeypatch.setattr(triton_core, "_self_check", lambda *a, **k: pytest.fail("compiled where it spills"))
     with pytest.warns(RuntimeWarning, match=r"9-16 heads; Triton 3.5 or newer"):
         assert not triton_core.works_on(torch.zeros(1, 9, 5, 8, device=DEVICE))
     monkeypatch.setattr(triton_core, "dot_min", lambda bits, arch=90: (1, 1, 16))     # 3.5-3.7
@@ -638,7 +671,7 @@ def test_auto_runs_triton_inside_torch_compile(monkeypatch):
 
 @pytest.mark.parametrize("failure", ["raises", "wrong"])
 def test_self_check_failure_warns_once_and_declines(monkeypatch, failure):
-    def check(*args):
+    def check(*args, masked):
         if failure == "raises":
             raise RuntimeError("out of resources: shared memory")
         return 0.5

@@ -3,7 +3,7 @@
 Every kernel variant that `dcvit.kernels.triton_core` can launch (kernel, heads, head dim,
 dtype, mask, which Compose stages and matrix sides are present, every `block_sizes`
 candidate) is compiled by Triton for a GPU target (sm_80 A100, sm_90 H100, sm_100 B200
-where the installed Triton knows it) and its PTX assembled by ``ptxas -v``, the assembler
+where the installed Triton knows it; with ``--targets``, sm_86 and sm_89 too: 99 KiB GPUs) and its PTX assembled by ``ptxas -v``, the assembler
 in Triton's wheel. Per variant: registers per thread, spill store/load bytes per thread,
 shared memory per block (Triton's, allocated dynamically), and the static count of
 tensor-core instructions (``mma``/``wgmma``/``tcgen05.mma`` in the PTX) and of fp32 FMAs
@@ -51,8 +51,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 # A Compose stage: absent, query-side matrices only, or both sides.
 STAGES = ("", "q", "qk")
 N_TOKENS = 197
-SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}   # opt-in bytes per block
 SHARED_BUDGET = 160 * 1024          # what every variant must fit: an A100's block, with room
+SMALL_SHARED_BUDGET = 99 * 1024     # on sm_86 and sm_89 (`triton_core.small_shared`): their block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +105,18 @@ def ptxas(arch: int) -> Optional[str]:
     return path if path and os.path.exists(path) else None
 
 
-def known_archs() -> List[int]:
-    """The targets the installed Triton compiles for: 80 and 90, and 100 with a Blackwell ptxas."""
-    return [a for a in (80, 90, 100) if ptxas(a)]
+def known_archs(default: bool = True) -> List[int]:
+    """The targets the installed Triton compiles for: 80 and 90, and 100 with a Blackwell ptxas;
+    not ``default``: also 86 and 89 (GPUs with 99 KiB of shared memory a block, their own
+    candidates: `triton_core.block_sizes`)."""
+    return [a for a in ((80, 90, 100) if default else (80, 86, 89, 90, 100)) if ptxas(a)]
+
+
+def shared_budget(arch: int) -> int:
+    """The shared memory a variant for sm_<arch> must fit: an A100's block (with room), or a
+    whole block where a GPU gives 99 KiB."""
+    from dcvit.kernels.triton_core import small_shared
+    return SMALL_SHARED_BUDGET if small_shared(arch) else SHARED_BUDGET
 
 
 def variants(heads: Iterable[int] = (3, 6, 12, 16), dims: Iterable[int] = (32, 64),
@@ -394,14 +403,14 @@ def _compiling():
 
 
 def problems(rows: Sequence[Dict]) -> List[str]:
-    """One line per variant that does not compile, spills or needs more than `SHARED_BUDGET`."""
+    """One line per variant that does not compile, spills or needs more than `shared_budget`."""
     out = []
     for r in rows:
         if "error" in r:
             out.append(f"{r['name']}: {r['error']}")
         elif r["spill_stores"] or r["spill_loads"]:
             out.append(f"{r['name']}: spills {r['spill_stores']} B stored, {r['spill_loads']} B loaded")
-        elif r["shared"] > SHARED_BUDGET:
+        elif r["shared"] > shared_budget(r["arch"]):
             out.append(f"{r['name']}: {r['shared'] / 1024:.0f} KiB of shared memory")
     return out
 
@@ -844,7 +853,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dims", type=int, nargs="+", default=[32, 64])
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--targets", nargs="+", default=None, metavar="smXX",
-                   help="sm80 sm90 sm100 (default: every one the installed Triton knows)")
+                   help="sm80 sm86 sm89 sm90 sm100 (default: sm80 sm90, and sm100 where the installed "
+                        "Triton knows it)")
     p.add_argument("--kernels", nargs="+", default=list(SHORT.values()), choices=list(SHORT.values()))
     p.add_argument("--mask", choices=["both", "yes", "no", "heads", "all"], default="both",
                    help="with and without a mask shared by all heads (both), only with (yes) or without (no); "
@@ -854,7 +864,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--production", action="store_true",
                    help="the variants DCViT trains with: D=64, bf16, pre+post with both sides, no mask")
     p.add_argument("--check", action="store_true",
-                   help="exit with status 1 when a variant fails to compile, spills or needs over 160 KiB")
+                   help="exit with status 1 when a variant fails to compile, spills or needs over 160 KiB "
+                        "(99 KiB for sm86, sm89)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--estimate", action="store_true",
@@ -884,7 +895,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if triton_module() is None:
         print("error: triton is not installed (pip install triton)", file=sys.stderr)
         return 2
-    archs = known_archs()
+    archs = known_archs(default=not a.targets)
     if not archs:
         print("error: Triton's ptxas was not found (its wheel bundles one; or set TRITON_PTXAS_PATH)",
               file=sys.stderr)
@@ -893,7 +904,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             want = [int(t.lower().removeprefix("sm_").removeprefix("sm")) for t in a.targets]
         except ValueError:
-            print(f"error: --targets takes sm80 sm90 sm100, got {a.targets}", file=sys.stderr)
+            print(f"error: --targets takes sm80 sm86 sm89 sm90 sm100, got {a.targets}", file=sys.stderr)
             return 2
         missing = [t for t in want if t not in archs]
         if missing:
@@ -908,7 +919,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     masks = {"both": (False, True), "yes": (True,), "no": (False,), "heads": (True,), "all": (False, True)}[a.mask]
     by_head = {"heads": (True,), "all": (False, True)}.get(a.mask, (False,))
     if a.quick or a.production:
-        vs = variants(a.heads, (64,), ("bf16",), [x for x in archs if x in (80, 90)],
+        vs = variants(a.heads, (64,), ("bf16",), archs if a.targets else [x for x in archs if x in (80, 90)],
                       (not a.production,), [("qk", "qk")], kernels, (False,) if a.production else by_head)
     else:
         vs = variants(a.heads, a.dims, a.dtypes, archs, masks, None, kernels, by_head)
@@ -938,7 +949,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {a.json}")
     bad = problems(rows)
     print(f"\nTriton {triton_module().__version__}: {len(rows) - len(bad)} of {len(rows)} variants compile, "
-          f"spill nothing and fit {SHARED_BUDGET // 1024} KiB")
+          f"spill nothing and fit {SHARED_BUDGET // 1024} KiB (sm_86, sm_89: {SMALL_SHARED_BUDGET // 1024})")
     for line in bad:
         print(f"  {line}")
     return 1 if a.check and bad else 0

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["available", "unsupported_reason", "dot_min", "interpreted", "works_on", "works_for", "known_to_spill",
+           "small_shared", "mask_unsupported",
            "score_grad_map", "score_grad_map_row", "pads_matrices", "matrix_side", "kernel_matrices", "attention_forward",
            "attention_backward", "block_sizes", "MAX_HEADS"]
 
@@ -141,10 +142,12 @@ def works_for(device: str, dtype: torch.dtype, heads: int, head_dim: int) -> boo
     if not available() or heads > MAX_HEADS or dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return False                                          # outside the kernels' range
     if key not in _checked:
-        reason = known_to_spill(_arch(torch.device(device)), heads) or ""
+        arch = _arch(torch.device(device))
+        reason = known_to_spill(arch, heads) or ""
         if not reason:
-            try:
-                err = _self_check(torch.device(device), dtype, heads, head_dim)
+            try:                                              # with a mask where the kernels take one
+                err = _self_check(torch.device(device), dtype, heads, head_dim,
+                                  masked=_mask_unsupported(arch, heads) is None)
                 tol = 1e-3 if dtype == torch.float32 else 3e-2
                 if not err <= tol:
                     reason = f"relative error {err:.2e} > {tol:.0e} against the formula"
@@ -170,15 +173,38 @@ def known_to_spill(arch: int, heads: int) -> Optional[str]:
     return None
 
 
-def _self_check(device: torch.device, dtype: torch.dtype, H: int, D: int) -> float:
+def small_shared(arch: int) -> bool:
+    """Whether sm_<arch> gives a block at most 99 KiB of shared memory: sm_86 (RTX 30, A10,
+    A40, RTX A6000) and sm_89 (RTX 40, L4, L40S), against 163 KiB (A100) and 227 (H100).
+    `block_sizes` gives them only candidates that fit (docs/performance.md)."""
+    return arch in (86, 89)
+
+
+@torch.compiler.assume_constant_result
+def mask_unsupported(device: str, heads: int) -> Optional[str]:
+    """Why the kernels cannot take a mask for ``heads`` heads on ``device``, or None (a
+    constant of a compiled graph, as `works_for`'s answer is)."""
+    return _mask_unsupported(_arch(torch.device(device)), heads)
+
+
+def _mask_unsupported(arch: int, heads: int) -> Optional[str]:
+    """`mask_unsupported` for sm_<arch> (under 3.4 `known_to_spill` declines 9-16 heads first)."""
+    if small_shared(arch) and _padded_heads(heads) > 8 and not _rows_padded(arch):
+        return (f"on sm_{arch} (99 KiB of shared memory a block) the backward kernels with a mask "
+                f"need 100-112 KiB at 9-16 heads; without a mask they fit")
+    return None
+
+
+def _self_check(device: torch.device, dtype: torch.dtype, H: int, D: int, masked: bool = True) -> float:
     """Largest error of output and gradients against the formula, relative to each one's
-    largest reference value, for a random (1, H, 37, D) problem (3 key blocks at least)."""
+    largest reference value, for a random (1, H, 37, D) problem (3 key blocks at least),
+    with a mask (``masked``) or without."""
     g = torch.Generator().manual_seed(0)
     N = 37
     q, k, v = (torch.randn(1, H, N, D, generator=g).to(device, dtype) for _ in range(3))
     mats = [(torch.eye(H) * (i % 2 == 0) + 0.3 * torch.randn(1, N, H, H, generator=g)).to(device)
             for i in range(4)]
-    mask = torch.randn(1, 1, N, N, generator=g).to(device)
+    mask = torch.randn(1, 1, N, N, generator=g).to(device) if masked else None
     grad = torch.randn(1, N, H, D, generator=g).to(device, dtype)
     scale = D ** -0.5
     with torch.no_grad():
@@ -190,7 +216,7 @@ def _self_check(device: torch.device, dtype: torch.dtype, H: int, D: int) -> flo
         for stage, m in ((0, mask), (1, None)):
             mq, mk = leaves[3 + 2 * stage], leaves[4 + 2 * stage]
             a = torch.einsum("bgts,btgh->bhts", a, mq) + torch.einsum("bgts,bsgh->bhts", a, mk)
-            a = (a + m).softmax(-1) if stage == 0 else a
+            a = (a if m is None else a + m).softmax(-1) if stage == 0 else a
         want = (a @ leaves[2]).transpose(1, 2)
         wgrads = torch.autograd.grad(want, leaves, grad.float())
     errs = [((x.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item()
@@ -239,6 +265,11 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     blocks per SM, and spills a few bytes to do so (the forward at 16 padded heads went
     without it until the scale was folded in: then two masked variants spilled with it, now
     four of its 8-query variants spill without it).
+    On GPUs with 99 KiB of shared memory a block (`small_shared`: sm_86, sm_89) only what fits
+    there: no 32-row blocks, and at 16 padded heads the forward's 8 × 16, the query kernel's
+    8 × 8 and the key kernel's 16 × 8 in two head groups, both with the score-gradient map
+    (68, 84 and 96 KiB); with a mask the backward kernels need 100-112 KiB there, and the
+    dispatcher declines it (`mask_unsupported`).
     The forward's and query kernel's candidates say whether a last block that holds at most
     half of its rows runs a body of half the rows (``TAIL``, `triton_attention`): where their
     blocks are 32 rows, in the query kernel where Compose's mixing is not padded in its
@@ -252,18 +283,23 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     large = not mask and not padded                     # the larger blocks, first: fewer instructions
     unpadded_mix = dot_min(32, arch)[2] <= 8 if available() else True   # 3.8 on: Compose's mixing unpadded
     by_map = score_grad_map(H, arch, mask)              # no dq, dk accumulators
-    g = 2 if wide and not by_map else 1                 # else every head in one key-kernel program
+    small = small_shared(arch) and not padded           # 99 KiB a block: what fits there
+    g = 2 if wide and (small or not by_map) else 1      # else every head in one key-kernel program
     if kernel == "forward_kernel":
         blocks = [(16, 16, 1)] + ([(8, 16, 1)] if wide and not padded else [])
-        if large and not wide:
+        if large and not wide and not small:
             blocks.insert(0, (32, 32, 1))
+        if small and wide:
+            blocks = [(8, 16, 1)]
     elif padded:                                        # 16 rows, then 8 padded
         blocks = [(16, 16, g), (8, 16, g) if kernel == "backward_query_kernel" else (16, 8, g)]
     elif kernel == "backward_query_kernel":
-        if wide:
+        if small and by_map:                            # 8 keys: the map's (no dq product over them)
+            blocks = [(8, 8, 1)]
+        elif wide:
             blocks = ([(16, 16, 1)] if by_map and unpadded_mix else []) + [(8, 16, 1)]
         else:
-            blocks = ([(32, 16, 1)] if large else []) + [(16, 16, 1)]
+            blocks = ([(32, 16, 1)] if large and not small else []) + [(16, 16, 1)]
     else:
         blocks = ([(16, 16, 1)] if large and unpadded_mix and not wide else []) + [(16, 8, g)]
     # the key kernel's 16 x 16 blocks on sm_90: each step's loads issued a step ahead (2 stages)
