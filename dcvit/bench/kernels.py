@@ -3,8 +3,9 @@
 Every kernel variant that `dcvit.kernels.triton_core` can launch (kernel, heads, head dim,
 dtype, mask, which Compose stages and matrix sides are present, every `block_sizes`
 candidate) is compiled by Triton for a GPU target (sm_80 A100, sm_90 H100, sm_100 B200
-where the installed Triton knows it; with ``--targets``, sm_86 and sm_89 too: 99 KiB GPUs) and its PTX assembled by ``ptxas -v``, the assembler
-in Triton's wheel. Per variant: registers per thread, spill store/load bytes per thread,
+where the installed Triton knows it; named by ``--targets``, sm_86 and sm_89 too, GPUs with
+99 KiB of shared memory a block) and its PTX assembled by ``ptxas -v``, the assembler in
+Triton's wheel. Per variant: registers per thread, spill store/load bytes per thread,
 shared memory per block (Triton's, allocated dynamically), and the static count of
 tensor-core instructions (``mma``/``wgmma``/``tcgen05.mma`` in the PTX) and of fp32 FMAs
 (``fma.rn.f32``). A spill means a loop's working set goes through local memory; a block
@@ -18,6 +19,7 @@ alignment) is what a real launch gets.
     python -m dcvit.bench.kernels --quick                 # the masked production variants
     python -m dcvit.bench.kernels --quick --mask heads    # the same, a mask per head
     python -m dcvit.bench.kernels --production --check    # DCViT's own variants; status 1 if one does not fit
+    python -m dcvit.bench.kernels --production --targets sm86 sm89 --check   # the same, 99 KiB GPUs
     python -m dcvit.bench.kernels --heads 6 12 --targets sm90 --json out.json
     python -m dcvit.bench.kernels --estimate              # expected H100 time (docs/performance.md)
     python -m dcvit.bench.kernels --production --heads 6 --kernels fwd --targets sm90 --lines
