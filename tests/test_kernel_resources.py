@@ -85,8 +85,8 @@ def test_shared_memory_launches_on_an_a100(rows):
 
 @pytest.mark.slow
 def test_gpus_with_99_kib_of_shared_memory_get_variants_that_fit():
-    """sm_86 and sm_89 (RTX 30 and 40, A10, A40, L4, L40S) give a block 99 KiB of shared
-    memory: the candidates `block_sizes` gives them, at every head count without a mask and
+    """sm_86, sm_89 and sm_120 (RTX 30, 40 and 50, A10, A40, L4, L40S) give a block 99 KiB of
+    shared memory: the candidates `block_sizes` gives them, at every head count without a mask and
     at 3 and 6 heads with one (at 9-16 the dispatcher declines a mask there,
     `triton_core.mask_unsupported`), compile for sm_86 without spilling and fit it."""
     if not kernel_report.ptxas(86):

@@ -289,10 +289,11 @@ def test_unmasked_block_candidates_and_the_score_gradient_map(monkeypatch, H, ca
 
 
 def test_gpus_with_99_kib_of_shared_memory_get_blocks_that_fit(monkeypatch):
-    """On sm_86 and sm_89 (`small_shared`) at 16 padded heads, without a mask: the forward in
-    8 × 16 blocks, the query kernel in 8 × 8 and the key kernel in 16 × 8 with its heads in two
-    groups, both with the score-gradient map; run as there (9 heads, 21 queries, 37 keys:
+    """On sm_86, sm_89 and sm_120 (`small_shared`) at 16 padded heads, without a mask: the
+    forward in 8 × 16 blocks, the query kernel in 8 × 8 and the key kernel in 16 × 8 with its
+    heads in two groups, both with the score-gradient map; run as there (9 heads, 21 queries, 37 keys:
     partial blocks on both axes), the formula's output and gradients."""
+    assert [triton_core.small_shared(a) for a in (80, 86, 89, 90, 100, 120)] == [0, 1, 1, 0, 0, 1]
     monkeypatch.setattr(triton_core, "_arch", lambda device: 86)
     firsts = [triton_core.block_sizes(9, k, 86)[0] for k in ("forward_kernel", "backward_query_kernel",
                                                                   "backward_key_kernel")]

@@ -3,8 +3,8 @@
 Every kernel variant that `dcvit.kernels.triton_core` can launch (kernel, heads, head dim,
 dtype, mask, which Compose stages and matrix sides are present, every `block_sizes`
 candidate) is compiled by Triton for a GPU target (sm_80 A100, sm_90 H100, sm_100 B200
-where the installed Triton knows it; named by ``--targets``, sm_86 and sm_89 too, GPUs with
-99 KiB of shared memory a block) and its PTX assembled by ``ptxas -v``, the assembler in
+where the installed Triton knows it; named by ``--targets``, sm_86, sm_89 and sm_120 too,
+GPUs with 99 KiB of shared memory a block) and its PTX assembled by ``ptxas -v``, the assembler in
 Triton's wheel. Per variant: registers per thread, spill store/load bytes per thread,
 shared memory per block (Triton's, allocated dynamically), and the static count of
 tensor-core instructions (``mma``/``wgmma``/``tcgen05.mma`` in the PTX) and of fp32 FMAs
@@ -19,7 +19,7 @@ alignment) is what a real launch gets.
     python -m dcvit.bench.kernels --quick                 # the masked production variants
     python -m dcvit.bench.kernels --quick --mask heads    # the same, a mask per head
     python -m dcvit.bench.kernels --production --check    # DCViT's own variants; status 1 if one does not fit
-    python -m dcvit.bench.kernels --production --targets sm86 sm89 --check   # the same, 99 KiB GPUs
+    python -m dcvit.bench.kernels --production --targets sm86 sm120 --check  # the same, 99 KiB GPUs
     python -m dcvit.bench.kernels --heads 6 12 --targets sm90 --json out.json
     python -m dcvit.bench.kernels --estimate              # expected H100 time (docs/performance.md)
     python -m dcvit.bench.kernels --production --heads 6 --kernels fwd --targets sm90 --lines
@@ -54,7 +54,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 STAGES = ("", "q", "qk")
 N_TOKENS = 197
 SHARED_BUDGET = 160 * 1024          # what every variant must fit: an A100's block, with room
-SMALL_SHARED_BUDGET = 99 * 1024     # on sm_86 and sm_89 (`triton_core.small_shared`): their block
+SMALL_SHARED_BUDGET = 99 * 1024     # on sm_86, 89, 120 (`triton_core.small_shared`): their block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +109,9 @@ def ptxas(arch: int) -> Optional[str]:
 
 def known_archs(default: bool = True) -> List[int]:
     """The targets the installed Triton compiles for: 80 and 90, and 100 with a Blackwell ptxas;
-    not ``default``: also 86 and 89 (GPUs with 99 KiB of shared memory a block, their own
-    candidates: `triton_core.block_sizes`)."""
-    return [a for a in ((80, 90, 100) if default else (80, 86, 89, 90, 100)) if ptxas(a)]
+    not ``default``: also 86, 89 and 120 (GPUs with 99 KiB of shared memory a block, their own
+    candidates: `triton_core.block_sizes`; 120 with a Blackwell ptxas)."""
+    return [a for a in ((80, 90, 100) if default else (80, 86, 89, 90, 100, 120)) if ptxas(a)]
 
 
 def shared_budget(arch: int) -> int:
@@ -855,7 +855,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--dims", type=int, nargs="+", default=[32, 64])
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--targets", nargs="+", default=None, metavar="smXX",
-                   help="sm80 sm86 sm89 sm90 sm100 (default: sm80 sm90, and sm100 where the installed "
+                   help="sm80 sm86 sm89 sm90 sm100 sm120 (default: sm80 sm90, and sm100 where the installed "
                         "Triton knows it)")
     p.add_argument("--kernels", nargs="+", default=list(SHORT.values()), choices=list(SHORT.values()))
     p.add_argument("--mask", choices=["both", "yes", "no", "heads", "all"], default="both",
@@ -867,7 +867,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="the variants DCViT trains with: D=64, bf16, pre+post with both sides, no mask")
     p.add_argument("--check", action="store_true",
                    help="exit with status 1 when a variant fails to compile, spills or needs over 160 KiB "
-                        "(99 KiB for sm86, sm89)")
+                        "(99 KiB for sm86, sm89, sm120)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--estimate", action="store_true",
@@ -906,7 +906,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         try:
             want = [int(t.lower().removeprefix("sm_").removeprefix("sm")) for t in a.targets]
         except ValueError:
-            print(f"error: --targets takes sm80 sm86 sm89 sm90 sm100, got {a.targets}", file=sys.stderr)
+            print(f"error: --targets takes sm80 sm86 sm89 sm90 sm100 sm120, got {a.targets}", file=sys.stderr)
             return 2
         missing = [t for t in want if t not in archs]
         if missing:
@@ -951,7 +951,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {a.json}")
     bad = problems(rows)
     print(f"\nTriton {triton_module().__version__}: {len(rows) - len(bad)} of {len(rows)} variants compile, "
-          f"spill nothing and fit {SHARED_BUDGET // 1024} KiB (sm_86, sm_89: {SMALL_SHARED_BUDGET // 1024})")
+          f"spill nothing and fit {SHARED_BUDGET // 1024} KiB (sm_86, sm_89, sm_120: {SMALL_SHARED_BUDGET // 1024})")
     for line in bad:
         print(f"  {line}")
     return 1 if a.check and bad else 0

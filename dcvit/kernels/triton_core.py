@@ -175,9 +175,10 @@ def known_to_spill(arch: int, heads: int) -> Optional[str]:
 
 def small_shared(arch: int) -> bool:
     """Whether sm_<arch> gives a block at most 99 KiB of shared memory: sm_86 (RTX 30, A10,
-    A40, RTX A6000) and sm_89 (RTX 40, L4, L40S), against 163 KiB (A100) and 227 (H100).
+    A40, RTX A6000), sm_89 (RTX 40, L4, L40S) and sm_120 (RTX 50, RTX PRO 6000 Blackwell),
+    against 163 KiB (A100) and 227 (H100, B200).
     `block_sizes` gives them only candidates that fit (docs/performance.md)."""
-    return arch in (86, 89)
+    return arch in (86, 89, 120)
 
 
 @torch.compiler.assume_constant_result
@@ -265,7 +266,7 @@ def block_sizes(H: int, kernel: str = "forward_kernel", arch: int = 90, mask: bo
     blocks per SM, and spills a few bytes to do so (the forward at 16 padded heads went
     without it until the scale was folded in: then two masked variants spilled with it, now
     four of its 8-query variants spill without it).
-    On GPUs with 99 KiB of shared memory a block (`small_shared`: sm_86, sm_89) only what fits
+    On GPUs with 99 KiB of shared memory a block (`small_shared`: sm_86, 89, 120) only what fits
     there: no 32-row blocks, and at 16 padded heads the forward's 8 × 16, the query kernel's
     8 × 8 and the key kernel's 16 × 8 in two head groups, both with the score-gradient map
     (68, 84 and 96 KiB); with a mask the backward kernels need 100-112 KiB there, and the
